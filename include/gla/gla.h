@@ -1,0 +1,306 @@
+/*
+ * libgla — gated linear attention with pluggable backends. The stable C ABI.
+ *
+ * Everything crosses this boundary as plain C: tensor descriptors (DLPack's shape), status codes,
+ * and a thread-local last-error message. No CUDA or framework headers are included here.
+ *
+ * The operator (see SPEC.md §1), per sequence n and head h, state S in R^{K x V} (fp32):
+ *     S_t = Diag(exp(g_t)) S_{t-1} + k_t v_t^T ;   o_t = scale * q_t^T S_t
+ * with S_{-1} = initial_state (zeros when absent) and final_state = S_{T_n - 1}.
+ *
+ * Ownership: libgla never takes ownership of caller memory. Every tensor passed in is owned by the
+ * caller and must stay alive until the call returns (for asynchronous devices: until the work queued
+ * on the given stream has finished). Outputs are written in place into caller-allocated tensors.
+ */
+#ifndef GLA_GLA_H
+#define GLA_GLA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define GLA_API __declspec(dllexport)
+#else
+#define GLA_API __attribute__((visibility("default")))
+#endif
+
+/* Version of this header's structs and callback tables. Bumped on any incompatible change. */
+#define GLA_ABI_VERSION 1
+#define GLA_MAX_RANK 6
+
+/* ------------------------------------------------------------------------------------------ */
+/* Status codes                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+typedef enum gla_status {
+  GLA_STATUS_OK = 0,
+  GLA_STATUS_INVALID_ARGUMENT = 1, /* bad shape, dtype, layout, value, null pointer, ... */
+  GLA_STATUS_NOT_SUPPORTED = 2,    /* valid input that no available backend accepts */
+  GLA_STATUS_BACKEND_ERROR = 3,    /* a backend failed while running (driver error, ...) */
+  GLA_STATUS_OUT_OF_MEMORY = 4,
+  GLA_STATUS_INTERNAL_ERROR = 5
+} gla_status;
+
+/* Message of the last failing call on this thread ("" when the last call succeeded). The pointer
+ * stays valid until the next libgla call on the same thread. */
+GLA_API const char* gla_last_error(void);
+GLA_API const char* gla_status_name(gla_status status);
+GLA_API const char* gla_version(void);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tensor descriptors                                                                           */
+/* ------------------------------------------------------------------------------------------ */
+typedef enum gla_dtype {
+  GLA_DTYPE_F32 = 0,
+  GLA_DTYPE_F16 = 1,
+  GLA_DTYPE_BF16 = 2,
+  GLA_DTYPE_F64 = 3,
+  GLA_DTYPE_I32 = 4,
+  GLA_DTYPE_I64 = 5
+} gla_dtype;
+
+/* Device types use DLPack's codes so a DLTensor's device converts without a table. */
+typedef enum gla_device_type {
+  GLA_DEVICE_CPU = 1,
+  GLA_DEVICE_CUDA = 2,
+  GLA_DEVICE_CUDA_HOST = 3, /* pinned host memory: readable by host backends */
+  GLA_DEVICE_OPENCL = 4,
+  GLA_DEVICE_VULKAN = 7,
+  GLA_DEVICE_METAL = 8,
+  GLA_DEVICE_ROCM = 10,
+  GLA_DEVICE_EXT = 12, /* anything else (Ascend NPU, ...): served by plugins */
+  GLA_DEVICE_ONEAPI = 14
+} gla_device_type;
+
+/* A strided view of caller memory. sizes and strides are in elements (not bytes); strides may be
+ * any non-negative values (0 broadcasts). Entries past `rank` are ignored. */
+typedef struct gla_tensor {
+  void* data;
+  int32_t dtype;        /* gla_dtype */
+  int32_t device_type;  /* gla_device_type */
+  int32_t device_index; /* ordinal of the device (0 for host memory) */
+  int32_t rank;
+  int64_t sizes[GLA_MAX_RANK];
+  int64_t strides[GLA_MAX_RANK];
+} gla_tensor;
+
+/* ------------------------------------------------------------------------------------------ */
+/* Options                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+typedef enum gla_policy {
+  GLA_POLICY_DEFAULT = 0,  /* the process default: GLA_POLICY from the environment, else priority */
+  GLA_POLICY_PRIORITY = 1, /* first available, enabled, accepting backend in priority order */
+  GLA_POLICY_FORCED = 2,   /* only the backend named in gla_options.backend */
+  GLA_POLICY_FASTEST = 3   /* measured choice per problem signature (falls back to priority until
+                              a measurement exists; see DESIGN.md) */
+} gla_policy;
+
+typedef struct gla_options {
+  /* sizeof(gla_options) as the caller was compiled; lets later versions append fields. Set by
+   * gla_options_init. */
+  uint32_t struct_size;
+  /* 1: use `scale`; 0: use the default K^-0.5. */
+  int32_t has_scale;
+  double scale;
+  /* 1: initial_state / final_state / dht / dh0 are [N, H, V, K]; 0: [N, H, K, V]. */
+  int32_t state_v_first;
+  /* Backend name to use for this call ("" or NULL: dispatcher's choice). With policy PRIORITY or
+   * DEFAULT a name here acts as FORCED. */
+  const char* backend;
+  int32_t policy; /* gla_policy */
+  /* 1: always run the stage pipeline (each stage dispatched on its own), even when a backend
+   * accepts the whole operation. For testing and for mixing backends on purpose. */
+  int32_t force_stage_pipeline;
+  /* 1: scan the inputs first and reject NaN/Inf values and g > 0, naming the first position.
+   * Costs one pass over the data (and a device-to-host copy for device tensors). */
+  int32_t check_inputs;
+  /* Opaque stream for asynchronous devices (a cudaStream_t for CUDA; NULL = the default stream). */
+  void* stream;
+  /* Optional caller-supplied scratch memory on the tensors' device. When workspace_bytes is at
+   * least what gla_*_workspace_size reports, no allocation happens inside the call. */
+  void* workspace;
+  size_t workspace_bytes;
+} gla_options;
+
+/* Fills defaults: no scale (K^-0.5), [N,H,K,V] states, dispatcher's choice, no checks. */
+GLA_API void gla_options_init(gla_options* options);
+
+/* ------------------------------------------------------------------------------------------ */
+/* The chunked operator                                                                         */
+/* ------------------------------------------------------------------------------------------ */
+/* Shapes (SPEC.md §1). B batch, T tokens, H heads, K key width, V value width, N sequences.
+ *   q, k        [B, T, H, K]    f32, f16 or bf16 (the same dtype)
+ *   g           [B, T, H, K]    per-key forget gate, natural log, expected <= 0; or
+ *               [B, T, H]       per-head scalar gate broadcast over K.
+ *                               dtype of q, or f32.
+ *   v           [B, T, H, V]    q's dtype
+ *   initial_state [N, H, K, V] (or [N, H, V, K] with state_v_first), f32; NULL = zeros
+ *   cu_seqlens  [N + 1] i32 or i64, non-decreasing, first 0, last T; then B must be 1. NULL: N = B.
+ *   cu_seqlens_host  optional host copy of cu_seqlens. When cu_seqlens lives on a device and no
+ *               host copy is given, the dispatcher copies it (a host synchronisation).
+ * Outputs:
+ *   o           [B, T, H, V]    v's dtype
+ *   final_state like initial_state, f32; NULL = not computed.
+ */
+typedef struct gla_chunk_forward_args {
+  const gla_tensor* q;
+  const gla_tensor* k;
+  const gla_tensor* v;
+  const gla_tensor* g;
+  const gla_tensor* initial_state;   /* optional */
+  const gla_tensor* cu_seqlens;      /* optional */
+  const gla_tensor* cu_seqlens_host; /* optional */
+  const gla_tensor* o;               /* output */
+  const gla_tensor* final_state;     /* optional output */
+} gla_chunk_forward_args;
+
+/* Backward: gradients of a scalar loss L given dL/do and dL/dfinal_state.
+ *   do_         like o; NULL = zero
+ *   dht         like final_state; NULL = zero
+ * Outputs (each NULL = not wanted, except that at least one must be given):
+ *   dq, dk      like q;  dv like v;  dg like g (f32 or g's dtype);  dh0 like initial_state, f32.
+ */
+typedef struct gla_chunk_backward_args {
+  const gla_tensor* q;
+  const gla_tensor* k;
+  const gla_tensor* v;
+  const gla_tensor* g;
+  const gla_tensor* initial_state;
+  const gla_tensor* cu_seqlens;
+  const gla_tensor* cu_seqlens_host;
+  const gla_tensor* do_;
+  const gla_tensor* dht;
+  const gla_tensor* dq;
+  const gla_tensor* dk;
+  const gla_tensor* dv;
+  const gla_tensor* dg;
+  const gla_tensor* dh0;
+} gla_chunk_backward_args;
+
+/* Forward. options may be NULL (defaults). Validates everything before writing anything. */
+GLA_API gla_status gla_chunk_forward(const gla_chunk_forward_args* args, const gla_options* options);
+GLA_API gla_status gla_chunk_backward(const gla_chunk_backward_args* args, const gla_options* options);
+
+/* Bytes of scratch the call would need on the tensors' device with these options (0 if none). */
+GLA_API gla_status gla_chunk_forward_workspace_size(const gla_chunk_forward_args* args,
+                                                    const gla_options* options, size_t* bytes);
+GLA_API gla_status gla_chunk_backward_workspace_size(const gla_chunk_backward_args* args,
+                                                     const gla_options* options, size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Registry: listing, explaining, enabling                                                      */
+/* ------------------------------------------------------------------------------------------ */
+/* Dispatchable units: whole operations and the stages of SPEC.md §2. */
+typedef enum gla_unit {
+  GLA_UNIT_CHUNK_FWD = 0,
+  GLA_UNIT_CHUNK_BWD = 1,
+  GLA_UNIT_CUMSUM = 2,        /* F1: chunk-local cumulative gate in log2 units */
+  GLA_UNIT_FWD_H = 3,         /* F2: chunk-start states and the final state */
+  GLA_UNIT_FWD_INTRA = 4,     /* F3: intra-chunk attention matrix A */
+  GLA_UNIT_FWD_O = 5,         /* F4: output */
+  GLA_UNIT_BWD_DH = 6,        /* B1: reverse state-gradient scan, dh0 */
+  GLA_UNIT_BWD_DV = 7,        /* B2 */
+  GLA_UNIT_BWD_DA = 8,        /* B3 */
+  GLA_UNIT_BWD_DQK_INTRA = 9, /* B4 */
+  GLA_UNIT_BWD_DQKG = 10,     /* B5: inter-chunk dq, dk and dg */
+  GLA_UNIT_RECURRENT_FWD = 11,
+  GLA_UNIT_RECURRENT_BWD = 12,
+  GLA_UNIT_COUNT = 13
+} gla_unit;
+
+GLA_API const char* gla_unit_name(int32_t unit);
+
+/* Number of registered backends, and the name / priority / availability of the i-th (in
+ * priority order). reason receives why an unavailable backend is unavailable. */
+GLA_API int32_t gla_backend_count(void);
+GLA_API gla_status gla_backend_info(int32_t index, const char** name, int32_t* priority,
+                                    int32_t* available, const char** reason);
+
+/* Switch a backend off or on for this process (like GLA_DISABLE). */
+GLA_API gla_status gla_backend_set_enabled(const char* name, int32_t enabled);
+
+/* Writes into *text a human-readable verdict table for these arguments: every backend, unit by
+ * unit (available, enabled, verdict and reason) and which backend would run each unit. The text
+ * is owned by libgla and valid until the next call on this thread. Exactly one of fwd / bwd is
+ * non-NULL. Output tensors may be absent: only metadata is read, never data. */
+GLA_API gla_status gla_explain(const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd,
+                               const gla_options* options, const char** text);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backends from outside: plugins and language bindings                                         */
+/* ------------------------------------------------------------------------------------------ */
+/* What a backend sees for one unit: validated, shape-inferred metadata plus every tensor.
+ * Absent tensors have data == NULL and rank == 0. */
+typedef struct gla_problem {
+  int32_t unit;      /* gla_unit being verified or run */
+  int32_t backward;  /* 1 for the backward operation and its stages */
+  int64_t B, T, H, K, V, N;
+  int32_t gate_per_head; /* 1: g is [B, T, H] */
+  int32_t dtype;         /* of q, k, v, o */
+  int32_t gate_dtype;
+  int32_t device_type;
+  int32_t device_index;
+  double scale;
+  int32_t state_v_first;
+  /* Host copy of the N + 1 sequence offsets (always present, also without cu_seqlens, where it is
+   * 0, T, 2T, ... in each batch row's own coordinates; see `varlen`). */
+  const int64_t* seq_offsets;
+  int32_t varlen;       /* 1 when cu_seqlens was given: sequence n is tokens [seq_offsets[n],
+                           seq_offsets[n+1]) of batch row 0; 0: sequence n is batch row n */
+  gla_tensor q, k, v, g, initial_state, cu_seqlens;
+  gla_tensor o, final_state;                       /* forward outputs */
+  gla_tensor do_, dht, dq, dk, dv, dg, dh0;        /* backward */
+  /* Stage-pipeline intermediates (only for stage units; fp32, contiguous, on the tensors'
+   * device). C = chunk_size; NC = total chunks over all sequences; chunk_offsets (host, N + 1)
+   * gives the first global chunk of each sequence.
+   *   gcum     [B, T, H, Kg] (Kg = K, or 1 for a per-head gate) chunk-local inclusive cumsum of g
+   *            divided by ln 2
+   *   h        [NC, H, K, V] state at the start of each chunk
+   *   A        [B, T, H, C]  A[t, s - chunk start], scale included, zero above the diagonal
+   *   dh       [NC, H, K, V] dL/d(state at the end of each chunk)
+   *   dA       [B, T, H, C]  scale * do_t . v_s for s <= t, zero above
+   *   dq_intra, dk_intra [B, T, H, K] */
+  int64_t chunk_size;
+  int64_t num_chunks;
+  const int64_t* chunk_offsets;
+  gla_tensor gcum, h, A, dh, dA, dq_intra, dk_intra;
+  void* stream;
+  void* workspace; /* scratch for a whole-operation run, workspace_bytes long */
+  size_t workspace_bytes;
+} gla_problem;
+
+/* A backend described by callbacks. Every callback gets `user_data` back. Strings written into
+ * `message` (capacity `message_capacity`) explain a decline or an error. */
+typedef struct gla_backend_desc {
+  uint32_t abi_version; /* GLA_ABI_VERSION */
+  const char* name;     /* copied at registration */
+  int32_t priority;     /* lower runs first */
+  /* bit (1 << gla_device_type) per device type served */
+  uint64_t device_mask;
+  /* bit (1 << gla_unit) per unit implemented */
+  uint64_t unit_mask;
+  void* user_data;
+  /* 1 if usable on this machine; else 0 and a reason. NULL: always available. */
+  int32_t (*available)(void* user_data, char* message, size_t message_capacity);
+  /* 1 to accept the problem; 0 and a reason to decline. Reads metadata only. */
+  int32_t (*verify)(void* user_data, const gla_problem* problem, char* message,
+                    size_t message_capacity);
+  /* Runs the unit. Returns a gla_status; on failure writes a message. */
+  int32_t (*run)(void* user_data, const gla_problem* problem, char* message,
+                 size_t message_capacity);
+  /* Optional: scratch bytes `run` wants for a whole-operation unit (0 if NULL). */
+  size_t (*workspace_size)(void* user_data, const gla_problem* problem);
+} gla_backend_desc;
+
+/* Adds a backend to the registry (or replaces one of the same name). */
+GLA_API gla_status gla_register_backend(const gla_backend_desc* desc);
+/* Removes a backend registered through gla_register_backend. */
+GLA_API gla_status gla_unregister_backend(const char* name);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GLA_GLA_H */
