@@ -1,0 +1,449 @@
+#include "core/dispatcher.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+namespace gla {
+
+namespace {
+
+const char* const kUnitNames[GLA_UNIT_COUNT] = {"chunk_fwd",     "chunk_bwd", "cumsum",        "fwd_h",
+                                                "fwd_intra",     "fwd_o",     "bwd_dh",        "bwd_dv",
+                                                "bwd_dA",        "bwd_dqk_intra", "bwd_dqkg",  "recurrent_fwd",
+                                                "recurrent_bwd"};
+
+std::string trim(std::string s) {
+  s.erase(0, s.find_first_not_of(" \t"));
+  s.erase(s.find_last_not_of(" \t") + 1);
+  return s;
+}
+
+// "cpu" or "fwd_h=vendor,bwd_dqkg=cpu" into control.
+void parse_backend_spec(const std::string& spec, DispatchControl& control, const char* source) {
+  std::stringstream stream(spec);
+  std::string item;
+  while (std::getline(stream, item, ',')) {
+    item = trim(item);
+    if (item.empty()) continue;
+    const auto eq = item.find('=');
+    if (eq == std::string::npos) {
+      control.forced = item;
+      continue;
+    }
+    const std::string unit_name = trim(item.substr(0, eq));
+    const int32_t unit = unit_from_name(unit_name);
+    if (unit < 0) {
+      fail(GLA_STATUS_INVALID_ARGUMENT, std::string(source) + ": unknown unit '" + unit_name +
+                                            "' in '" + spec + "' (expected e.g. chunk_fwd, fwd_h, bwd_dqkg)");
+    }
+    control.forced_units[unit] = trim(item.substr(eq + 1));
+  }
+}
+
+int32_t parse_policy(const std::string& text) {
+  if (text == "priority") return GLA_POLICY_PRIORITY;
+  if (text == "forced") return GLA_POLICY_FORCED;
+  if (text == "fastest") return GLA_POLICY_FASTEST;
+  fail(GLA_STATUS_INVALID_ARGUMENT, "GLA_POLICY: expected priority, forced or fastest, got '" + text + "'");
+}
+
+const char* policy_name(int32_t policy) {
+  switch (policy) {
+    case GLA_POLICY_FORCED: return "forced";
+    case GLA_POLICY_FASTEST: return "fastest";
+    default: return "priority";
+  }
+}
+
+// The problem as a backend sees it for `unit`: stage buffers described (shapes only; data is set
+// when the pipeline runs).
+gla_problem problem_for_unit(const PreparedProblem& prepared, int32_t unit) {
+  gla_problem p = prepared.problem;
+  p.unit = unit;
+  if (unit_is_stage(unit)) {
+    p.chunk_size = kPipelineChunkSize;
+    int64_t chunks = 0;
+    for (int64_t n = 0; n < p.N && p.seq_offsets; ++n) {
+      chunks += (sequence_span(p, n).length + kPipelineChunkSize - 1) / kPipelineChunkSize;
+    }
+    p.num_chunks = chunks;
+    const int64_t kg = p.gate_per_head ? 1 : p.K;
+    const int32_t dev = p.device_type, idx = p.device_index;
+    p.gcum = make_tensor(nullptr, GLA_DTYPE_F32, dev, idx, {p.B, p.T, p.H, kg});
+    p.h = make_tensor(nullptr, GLA_DTYPE_F32, dev, idx, {chunks, p.H, p.K, p.V});
+    p.A = make_tensor(nullptr, GLA_DTYPE_F32, dev, idx, {p.B, p.T, p.H, kPipelineChunkSize});
+    if (p.backward) {
+      p.dh = make_tensor(nullptr, GLA_DTYPE_F32, dev, idx, {chunks, p.H, p.K, p.V});
+      p.dA = make_tensor(nullptr, GLA_DTYPE_F32, dev, idx, {p.B, p.T, p.H, kPipelineChunkSize});
+      p.dq_intra = make_tensor(nullptr, GLA_DTYPE_F32, dev, idx, {p.B, p.T, p.H, p.K});
+      p.dk_intra = make_tensor(nullptr, GLA_DTYPE_F32, dev, idx, {p.B, p.T, p.H, p.K});
+    }
+    // In the backward pipeline fwd_h only recomputes the chunk-start states.
+    if (p.backward) p.final_state = gla_tensor{};
+  }
+  return p;
+}
+
+// Why `entry` cannot run `unit` on this problem ("" = it can).
+std::string decline_reason(const RegistryEntry& entry, const gla_problem& problem, int32_t unit) {
+  const Backend& b = *entry.backend;
+  if (!entry.availability.ok) return "unavailable: " + entry.availability.reason;
+  if (!entry.enabled) return "disabled (GLA_DISABLE or gla_backend_set_enabled)";
+  if (!b.serves_device(problem.device_type)) {
+    return std::string("does not serve device ") + device_type_name(problem.device_type);
+  }
+  if (!b.implements(unit)) return "does not implement " + std::string(kUnitNames[unit]);
+  Verdict v = b.verify(problem);
+  if (!v.ok) return v.reason.empty() ? std::string("declined (no reason given)") : v.reason;
+  return "";
+}
+
+bool stage_forced(const DispatchControl& control, int32_t operation) {
+  for (int32_t s : pipeline_stages(operation)) {
+    if (control.forced_units.count(s)) return true;
+  }
+  return false;
+}
+
+// The backend that must run `unit` ("" = free choice).
+std::string forced_for(const DispatchControl& control, int32_t unit) {
+  auto it = control.forced_units.find(unit);
+  if (it != control.forced_units.end()) return it->second;
+  return control.forced;
+}
+
+std::string problem_line(const gla_problem& p) {
+  std::ostringstream s;
+  s << kUnitNames[p.unit] << " B=" << p.B << " T=" << p.T << " H=" << p.H << " K=" << p.K << " V=" << p.V
+    << " N=" << p.N << (p.varlen ? " varlen" : "") << " dtype=" << dtype_name(p.dtype) << " gate="
+    << (p.gate_per_head ? "per-head " : "per-key ") << dtype_name(p.gate_dtype)
+    << (p.state_v_first ? " state=[N,H,V,K]" : "") << (present(p.initial_state) ? " +initial_state" : "")
+    << (present(p.final_state) ? " +final_state" : "") << " device=" << device_type_name(p.device_type) << ':'
+    << p.device_index;
+  return s.str();
+}
+
+std::mutex g_log_mutex;
+std::set<std::string> g_logged;
+
+std::shared_ptr<Backend> choose_for_unit(const std::vector<RegistryEntry>& entries, const PreparedProblem& prepared,
+                                         const DispatchControl& control, int32_t unit, std::string* why_none) {
+  const gla_problem p = problem_for_unit(prepared, unit);
+  const std::string forced = forced_for(control, unit);
+  std::ostringstream reasons;
+  for (const auto& e : entries) {
+    if (!forced.empty() && e.backend->name() != forced) continue;
+    std::string reason = decline_reason(e, p, unit);
+    if (reason.empty()) return e.backend;
+    reasons << "\n  " << e.backend->name() << ": " << reason;
+  }
+  if (why_none) {
+    *why_none = forced.empty() ? std::string("no backend accepts ") + kUnitNames[unit] + ":" + reasons.str()
+                               : "forced backend '" + forced + "' declines " + kUnitNames[unit] + ":" + reasons.str();
+  }
+  return nullptr;
+}
+
+// Pipeline with every stage chosen; nullopt-like (empty stages) with a reason when a stage has none.
+bool try_pipeline(const std::vector<RegistryEntry>& entries, const PreparedProblem& prepared,
+                  const DispatchControl& control, int32_t operation, Plan& plan, std::string& why) {
+  plan = Plan{};
+  plan.pipeline = true;
+  for (int32_t s : pipeline_stages(operation)) {
+    auto b = choose_for_unit(entries, prepared, control, s, &why);
+    if (!b) return false;
+    plan.stages.emplace_back(s, b);
+  }
+  return true;
+}
+
+void check_forced_names(const std::vector<RegistryEntry>& entries, const DispatchControl& control) {
+  auto known = [&](const std::string& name) {
+    for (const auto& e : entries) {
+      if (e.backend->name() == name) return true;
+    }
+    return false;
+  };
+  auto names = [&] {
+    std::string s;
+    for (const auto& e : entries) s += (s.empty() ? "" : ", ") + e.backend->name();
+    return s;
+  };
+  if (!control.forced.empty() && !known(control.forced)) {
+    fail(GLA_STATUS_INVALID_ARGUMENT, "backend: expected one of " + names() + ", got '" + control.forced + "'");
+  }
+  for (const auto& [unit, name] : control.forced_units) {
+    if (!known(name)) {
+      fail(GLA_STATUS_INVALID_ARGUMENT, std::string("backend for ") + kUnitNames[unit] + ": expected one of " +
+                                            names() + ", got '" + name + "'");
+    }
+  }
+}
+
+Plan plan_with_reasons(const PreparedProblem& prepared, const DispatchControl& control, std::string& failure) {
+  const auto entries = Registry::instance().snapshot();
+  check_forced_names(entries, control);
+  const int32_t op = prepared.problem.unit;
+  Plan plan;
+  std::string why;
+  const gla_problem whole_problem = problem_for_unit(prepared, op);
+
+  if (control.force_pipeline || stage_forced(control, op)) {
+    if (try_pipeline(entries, prepared, control, op, plan, why)) return plan;
+    failure = "stage pipeline for " + std::string(kUnitNames[op]) + " cannot run: " + why;
+    return Plan{};
+  }
+  const std::string forced = forced_for(control, op);
+  if (!forced.empty()) {
+    for (const auto& e : entries) {
+      if (e.backend->name() != forced) continue;
+      std::string reason = decline_reason(e, whole_problem, op);
+      if (reason.empty()) {
+        plan.whole = e.backend;
+        return plan;
+      }
+      // A forced backend that offers every stage but not the whole operation runs the pipeline.
+      Plan staged;
+      std::string stage_why;
+      if (try_pipeline(entries, prepared, control, op, staged, stage_why)) return staged;
+      failure = "forced backend '" + forced + "' declines " + kUnitNames[op] + ": " + reason;
+      return Plan{};
+    }
+  }
+  // Priority: the first backend that takes part decides between the whole operation and stages.
+  for (const auto& e : entries) {
+    if (decline_reason(e, whole_problem, op).empty()) {
+      plan.whole = e.backend;
+      return plan;
+    }
+    bool offers_stage = false;
+    for (int32_t s : pipeline_stages(op)) {
+      if (decline_reason(e, problem_for_unit(prepared, s), s).empty()) offers_stage = true;
+    }
+    if (offers_stage && try_pipeline(entries, prepared, control, op, plan, why)) return plan;
+  }
+  failure = "no available backend accepts " + problem_line(whole_problem);
+  return Plan{};
+}
+
+std::string verdict_table(const PreparedProblem& prepared, const DispatchControl& control) {
+  const auto entries = Registry::instance().snapshot();
+  const int32_t op = prepared.problem.unit;
+  std::vector<int32_t> units{op};
+  for (int32_t s : pipeline_stages(op)) units.push_back(s);
+  std::ostringstream out;
+  for (const auto& e : entries) {
+    const Backend& b = *e.backend;
+    out << "backend '" << b.name() << "' (priority " << b.priority() << "): "
+        << (e.availability.ok ? "available" : "unavailable (" + e.availability.reason + ")") << ", "
+        << (e.enabled ? "enabled" : "disabled") << "\n";
+    for (int32_t u : units) {
+      const gla_problem p = problem_for_unit(prepared, u);
+      std::string reason = decline_reason(e, p, u);
+      char name[32];
+      std::snprintf(name, sizeof name, "%-14s", kUnitNames[u]);
+      out << "    " << name << (reason.empty() ? "accepts" : "declines: " + reason) << "\n";
+    }
+  }
+  (void)control;
+  return out.str();
+}
+
+void log_decision(const PreparedProblem& prepared, const DispatchControl& control, const Plan& plan) {
+  if (!control.log) return;
+  const std::string key = problem_line(prepared.problem) + "|" + policy_name(control.policy) + "|" + control.forced +
+                          "|" + (control.force_pipeline ? "P" : "");
+  {
+    std::lock_guard lock(g_log_mutex);
+    if (!g_logged.insert(key).second) return;
+  }
+  std::string text = "[gla] dispatch " + problem_line(prepared.problem) + "\n[gla]   decision: " + plan.summary() +
+                     "\n" + verdict_table(prepared, control);
+  std::fputs(text.c_str(), stderr);
+}
+
+// Memory borrowed for one call: from the caller's workspace when it is large enough, else from the
+// backend's allocator, returned at the end.
+class Scratch {
+ public:
+  Scratch(Backend& backend, const gla_problem& problem, size_t bytes, const gla_options& options)
+      : backend_(backend), problem_(problem) {
+    if (bytes == 0) return;
+    if (options.workspace && options.workspace_bytes >= bytes) {
+      base_ = static_cast<char*>(options.workspace);
+    } else {
+      base_ = static_cast<char*>(backend.allocate(problem, bytes));
+      owned_ = true;
+    }
+  }
+  ~Scratch() {
+    if (owned_) backend_.deallocate(problem_, base_);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  char* base() const { return base_; }
+
+ private:
+  Backend& backend_;
+  gla_problem problem_;
+  char* base_ = nullptr;
+  bool owned_ = false;
+};
+
+constexpr size_t kAlign = 256;
+size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// Byte sizes of the stage buffers, in the order gcum, h, A, dh, dA, dq_intra, dk_intra.
+std::vector<size_t> pipeline_buffer_bytes(const gla_problem& p) {
+  auto bytes = [](const gla_tensor& t) { return present(t) ? aligned(static_cast<size_t>(numel(t)) * 4) : 0; };
+  return {bytes(p.gcum), bytes(p.h), bytes(p.A), bytes(p.dh), bytes(p.dA), bytes(p.dq_intra), bytes(p.dk_intra)};
+}
+
+size_t plan_workspace(const PreparedProblem& prepared, const Plan& plan) {
+  if (!plan.pipeline) return plan.whole->workspace_size(problem_for_unit(prepared, prepared.problem.unit));
+  size_t total = 0;
+  for (size_t b : pipeline_buffer_bytes(problem_for_unit(prepared, GLA_UNIT_CUMSUM))) total += b;
+  return total;
+}
+
+void host_reader(void* context, const gla_tensor& t, std::vector<char>& bytes) {
+  auto* args = static_cast<std::pair<Backend*, const gla_problem*>*>(context);
+  int64_t extent = 1;
+  for (int d = 0; d < t.rank; ++d) extent += (t.sizes[d] - 1) * t.strides[d];
+  bytes.resize(static_cast<size_t>(extent * dtype_size(t.dtype)));
+  args->first->copy_to_host(*args->second, t.data, bytes.data(), bytes.size());
+}
+
+}  // namespace
+
+const std::vector<int32_t>& pipeline_stages(int32_t operation) {
+  static const std::vector<int32_t> forward{GLA_UNIT_CUMSUM, GLA_UNIT_FWD_H, GLA_UNIT_FWD_INTRA, GLA_UNIT_FWD_O};
+  static const std::vector<int32_t> backward{GLA_UNIT_CUMSUM, GLA_UNIT_FWD_H,  GLA_UNIT_FWD_INTRA,
+                                             GLA_UNIT_BWD_DH, GLA_UNIT_BWD_DA, GLA_UNIT_BWD_DV,
+                                             GLA_UNIT_BWD_DQK_INTRA, GLA_UNIT_BWD_DQKG};
+  static const std::vector<int32_t> none;
+  if (operation == GLA_UNIT_CHUNK_FWD) return forward;
+  if (operation == GLA_UNIT_CHUNK_BWD) return backward;
+  return none;
+}
+
+int32_t unit_from_name(const std::string& name) {
+  for (int32_t u = 0; u < GLA_UNIT_COUNT; ++u) {
+    if (name == kUnitNames[u]) return u;
+  }
+  return -1;
+}
+
+std::string Plan::summary() const {
+  if (!pipeline) return whole ? whole->name() + " (whole operation)" : "none";
+  std::string s = "stage pipeline:";
+  for (const auto& [unit, backend] : stages) s += std::string(" ") + kUnitNames[unit] + "->" + backend->name();
+  return s;
+}
+
+DispatchControl make_control(const gla_options& options) {
+  DispatchControl control;
+  if (const char* env = std::getenv("GLA_POLICY"); env && *env) control.policy = parse_policy(env);
+  if (const char* env = std::getenv("GLA_BACKEND"); env && *env) parse_backend_spec(env, control, "GLA_BACKEND");
+  if (const char* env = std::getenv("GLA_LOG"); env && std::strstr(env, "dispatch")) control.log = true;
+  if (options.policy != GLA_POLICY_DEFAULT) control.policy = options.policy;
+  if (options.backend && *options.backend) {
+    // A per-call choice replaces the environment's.
+    control.forced.clear();
+    control.forced_units.clear();
+    parse_backend_spec(options.backend, control, "options.backend");
+  }
+  if (control.policy == GLA_POLICY_FORCED && control.forced.empty() && control.forced_units.empty()) {
+    fail(GLA_STATUS_INVALID_ARGUMENT, "policy: 'forced' needs a backend name (options.backend or GLA_BACKEND), got none");
+  }
+  control.force_pipeline = options.force_stage_pipeline != 0;
+  return control;
+}
+
+Plan make_plan(const PreparedProblem& prepared, const DispatchControl& control) {
+  std::string failure;
+  Plan plan = plan_with_reasons(prepared, control, failure);
+  if (!plan.pipeline && !plan.whole) {
+    fail(GLA_STATUS_NOT_SUPPORTED, failure + "\n" + verdict_table(prepared, control));
+  }
+  return plan;
+}
+
+std::string explain(const PreparedProblem& prepared, const DispatchControl& control) {
+  std::ostringstream out;
+  out << "problem: " << problem_line(prepared.problem) << "\n";
+  out << "policy: " << policy_name(control.policy);
+  if (control.policy == GLA_POLICY_FASTEST) out << " (no measurement cached: priority order serves)";
+  if (!control.forced.empty()) out << ", forced backend '" << control.forced << "'";
+  for (const auto& [unit, name] : control.forced_units) out << ", " << kUnitNames[unit] << " forced to '" << name << "'";
+  if (control.force_pipeline) out << ", stage pipeline forced";
+  out << "\n" << verdict_table(prepared, control);
+  std::string failure;
+  Plan plan = plan_with_reasons(prepared, control, failure);
+  out << "decision: " << (plan.pipeline || plan.whole ? plan.summary() : "none — " + failure) << "\n";
+  return out.str();
+}
+
+size_t workspace_size(PreparedProblem& prepared, const gla_options& options) {
+  const DispatchControl control = make_control(options);
+  const Plan plan = make_plan(prepared, control);
+  return plan_workspace(prepared, plan);
+}
+
+void execute(PreparedProblem& prepared, const gla_options& options) {
+  const DispatchControl control = make_control(options);
+  const Plan plan = make_plan(prepared, control);
+  log_decision(prepared, control, plan);
+  Backend& lead = plan.pipeline ? *plan.stages.front().second : *plan.whole;
+
+  if (prepared.offsets_need_copy) {
+    const gla_tensor& cu = prepared.problem.cu_seqlens;
+    std::vector<char> host(static_cast<size_t>(((cu.sizes[0] - 1) * cu.strides[0] + 1) * dtype_size(cu.dtype)));
+    lead.copy_to_host(prepared.problem, cu.data, host.data(), host.size());
+    std::vector<char> packed(static_cast<size_t>(cu.sizes[0] * dtype_size(cu.dtype)));
+    for (int64_t i = 0; i < cu.sizes[0]; ++i) {
+      std::memcpy(packed.data() + i * dtype_size(cu.dtype), host.data() + i * cu.strides[0] * dtype_size(cu.dtype),
+                  static_cast<size_t>(dtype_size(cu.dtype)));
+    }
+    load_sequence_offsets(prepared, packed.data());
+  }
+  if (options.check_inputs) {
+    std::pair<Backend*, const gla_problem*> context{&lead, &prepared.problem};
+    check_input_values(prepared.problem, host_reader, &context);
+  }
+
+  if (!plan.pipeline) {
+    gla_problem p = problem_for_unit(prepared, prepared.problem.unit);
+    const size_t bytes = plan.whole->workspace_size(p);
+    Scratch scratch(*plan.whole, p, bytes, options);
+    p.workspace = scratch.base();
+    p.workspace_bytes = bytes;
+    plan.whole->run(p);
+    return;
+  }
+
+  compute_chunk_offsets(prepared, kPipelineChunkSize);
+  gla_problem base = problem_for_unit(prepared, GLA_UNIT_CUMSUM);
+  const auto sizes = pipeline_buffer_bytes(base);
+  size_t total = 0;
+  for (size_t s : sizes) total += s;
+  Scratch scratch(lead, base, total, options);
+  char* cursor = scratch.base();
+  gla_tensor* buffers[] = {&base.gcum, &base.h, &base.A, &base.dh, &base.dA, &base.dq_intra, &base.dk_intra};
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == 0) continue;
+    buffers[i]->data = cursor;
+    cursor += sizes[i];
+  }
+  for (const auto& [unit, backend] : plan.stages) {
+    gla_problem p = base;
+    p.unit = unit;
+    backend->run(p);
+  }
+}
+
+}  // namespace gla

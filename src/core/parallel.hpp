@@ -1,0 +1,50 @@
+// A minimal fork-join loop for host backends: items [0, count) split into contiguous ranges over
+// std::threads. Each item writes only its own outputs, so results do not depend on the thread count.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace gla {
+
+// GLA_NUM_THREADS, else the hardware's concurrency.
+inline int host_thread_count() {
+  if (const char* env = std::getenv("GLA_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw ? static_cast<int>(hw) : 1;
+}
+
+template <class F>
+void parallel_for(int64_t count, F&& body) {
+  const int64_t threads = std::min<int64_t>(host_thread_count(), count);
+  if (threads <= 1) {
+    for (int64_t i = 0; i < count; ++i) body(i);
+    return;
+  }
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads));
+  for (int64_t t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      try {
+        for (int64_t i = t; i < count; i += threads) body(i);
+      } catch (...) {
+        std::lock_guard lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace gla

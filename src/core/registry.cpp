@@ -1,0 +1,104 @@
+#include "core/registry.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+namespace gla {
+
+namespace {
+std::vector<std::string> split_list(const char* text) {
+  std::vector<std::string> items;
+  if (!text) return items;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ',')) {
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (!item.empty()) items.push_back(item);
+  }
+  return items;
+}
+}  // namespace
+
+Registry::Registry() = default;
+
+Registry& Registry::instance() {
+  // Built on first use, so the built-in backends' availability probes run lazily and once.
+  static Registry* registry = [] {
+    auto* r = new Registry();
+    register_builtin_backends(*r);
+    r->apply_environment();
+    return r;
+  }();
+  return *registry;
+}
+
+void Registry::add(std::unique_ptr<Backend> backend) {
+  RegistryEntry entry;
+  entry.availability = backend->available();
+  entry.backend = std::move(backend);
+  std::unique_lock lock(mutex_);
+  const std::string name = entry.backend->name();
+  auto same = std::find_if(entries_.begin(), entries_.end(),
+                           [&](const RegistryEntry& e) { return e.backend->name() == name; });
+  if (same != entries_.end()) {
+    entry.enabled = same->enabled;
+    *same = std::move(entry);
+  } else {
+    entries_.push_back(std::move(entry));
+  }
+  std::stable_sort(entries_.begin(), entries_.end(), [](const RegistryEntry& a, const RegistryEntry& b) {
+    if (a.backend->priority() != b.backend->priority()) return a.backend->priority() < b.backend->priority();
+    return a.backend->name() < b.backend->name();
+  });
+}
+
+bool Registry::remove(const std::string& name) {
+  std::unique_lock lock(mutex_);
+  auto it = std::find_if(entries_.begin(), entries_.end(),
+                         [&](const RegistryEntry& e) { return e.backend->name() == name; });
+  if (it == entries_.end()) return false;
+  entries_.erase(it);
+  return true;
+}
+
+bool Registry::set_enabled(const std::string& name, bool enabled) {
+  std::unique_lock lock(mutex_);
+  for (auto& e : entries_) {
+    if (e.backend->name() == name) {
+      e.enabled = enabled;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<RegistryEntry> Registry::snapshot() const {
+  std::shared_lock lock(mutex_);
+  return entries_;
+}
+
+std::vector<std::string> Registry::names() const {
+  std::shared_lock lock(mutex_);
+  std::vector<std::string> out;
+  for (const auto& e : entries_) out.push_back(e.backend->name());
+  return out;
+}
+
+bool Registry::contains(const std::string& name) const {
+  std::shared_lock lock(mutex_);
+  return std::any_of(entries_.begin(), entries_.end(),
+                     [&](const RegistryEntry& e) { return e.backend->name() == name; });
+}
+
+void Registry::apply_environment() {
+  const auto disabled = split_list(std::getenv("GLA_DISABLE"));
+  std::unique_lock lock(mutex_);
+  for (auto& e : entries_) {
+    e.enabled = std::find(disabled.begin(), disabled.end(), e.backend->name()) == disabled.end();
+  }
+}
+
+}  // namespace gla

@@ -1,0 +1,45 @@
+// The registry: every backend the process knows, in priority order, with its availability (probed
+// once) and whether it is enabled. Thread-safe: readers take a snapshot under a shared lock.
+#pragma once
+
+#include <memory>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+
+namespace gla {
+
+struct RegistryEntry {
+  std::shared_ptr<Backend> backend;
+  Verdict availability;  // probed once when added
+  bool enabled = true;
+};
+
+class Registry {
+ public:
+  // The process-wide registry, holding the built-in backends, with GLA_DISABLE applied.
+  static Registry& instance();
+
+  // Adds a backend; one with the same name is replaced.
+  void add(std::unique_ptr<Backend> backend);
+  bool remove(const std::string& name);
+  bool set_enabled(const std::string& name, bool enabled);
+  // Entries sorted by priority (then name).
+  std::vector<RegistryEntry> snapshot() const;
+  std::vector<std::string> names() const;
+  bool contains(const std::string& name) const;
+
+  // Re-reads GLA_DISABLE (enables every backend first). Used at start and by tests.
+  void apply_environment();
+
+ private:
+  Registry();
+  mutable std::shared_mutex mutex_;
+  std::vector<RegistryEntry> entries_;
+};
+
+void register_builtin_backends(Registry& registry);
+
+}  // namespace gla

@@ -1,0 +1,59 @@
+// Validation and shape inference (SPEC.md §4): turns the public arguments into a gla_problem, or
+// throws gla::Error naming the argument, what was expected and what was given. Nothing is written.
+#pragma once
+
+#include <vector>
+
+#include "core/backend.hpp"
+
+namespace gla {
+
+// A validated problem plus the host memory its pointers refer to.
+struct PreparedProblem {
+  gla_problem problem{};
+  std::vector<int64_t> seq_offsets;
+  std::vector<int64_t> chunk_offsets;
+  // cu_seqlens lives on a device and no host copy was given: offsets must be copied before use.
+  bool offsets_need_copy = false;
+
+  PreparedProblem() = default;
+  PreparedProblem(const PreparedProblem&) = delete;
+  PreparedProblem& operator=(const PreparedProblem&) = delete;
+  PreparedProblem(PreparedProblem&& other) noexcept { *this = std::move(other); }
+  PreparedProblem& operator=(PreparedProblem&& other) noexcept {
+    problem = other.problem;
+    seq_offsets = std::move(other.seq_offsets);
+    chunk_offsets = std::move(other.chunk_offsets);
+    offsets_need_copy = other.offsets_need_copy;
+    bind();
+    return *this;
+  }
+  // Points problem.seq_offsets / chunk_offsets at the vectors.
+  void bind() {
+    problem.seq_offsets = seq_offsets.empty() ? nullptr : seq_offsets.data();
+    problem.chunk_offsets = chunk_offsets.empty() ? nullptr : chunk_offsets.data();
+  }
+};
+
+// Reads the options struct (NULL = defaults), checking its size field.
+gla_options read_options(const gla_options* options);
+
+// metadata_only: for explain(); output tensors may be absent and data pointers are not required.
+PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_options& options,
+                                bool metadata_only);
+PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_options& options,
+                                 bool metadata_only);
+
+// Reads cu_seqlens values from `host_values` (N + 1 entries of cu_seqlens' dtype) and checks them:
+// first 0, non-decreasing, last T.
+void load_sequence_offsets(PreparedProblem& prepared, const void* host_values);
+
+// Chunk bookkeeping for the stage pipeline: chunk_size C and the first global chunk per sequence.
+void compute_chunk_offsets(PreparedProblem& prepared, int64_t chunk_size);
+
+// The optional input check: NaN/Inf in any input and g > 0, reported by position. `read` copies a
+// tensor's bytes to the host (identity for host memory).
+using HostReader = void (*)(void* context, const gla_tensor& tensor, std::vector<char>& bytes);
+void check_input_values(const gla_problem& problem, HostReader read, void* context);
+
+}  // namespace gla
