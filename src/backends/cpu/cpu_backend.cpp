@@ -1,0 +1,172 @@
+// The `cpu` backend: the chunked algorithm (SPEC.md section 2) on host memory, fp32 accumulation,
+// multithreaded over (sequence, head, value tile) and vectorised with kernels compiled per
+// instruction set (cpu_kernels.hpp). Implements the whole forward and backward operations and every
+// stage unit with the intermediate layouts of gla.h, so the dispatcher can mix its stages with other
+// backends.
+//
+// Determinism: a work item's result depends only on its inputs (the decomposition into items is a
+// function of the problem, never of the thread count), so outputs are bitwise identical for any
+// GLA_NUM_THREADS. They can differ between instruction sets (GLA_CPU_ISA).
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
+
+#include "backends/cpu/cpu_kernels.hpp"
+#include "core/backend.hpp"
+
+namespace gla {
+namespace cpu {
+namespace {
+
+bool cpu_has_avx512() {
+#if defined(GLA_CPU_X86_KERNELS)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+bool cpu_has_avx2() {
+#if defined(GLA_CPU_X86_KERNELS)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+// The best kernels this CPU runs; GLA_CPU_ISA=avx512|avx2|portable asks for a lower one (tests use
+// it to cover every path on one machine). Unknown or unsupported requests fall back to the best.
+const KernelTable& select_kernels() {
+  static const bool avx512 = cpu_has_avx512();
+  static const bool avx2 = cpu_has_avx2();
+  const char* want = std::getenv("GLA_CPU_ISA");
+  const std::string w = want ? want : "";
+#if defined(GLA_CPU_X86_KERNELS)
+  if (w == "portable") return portable::kernels();
+  if (w == "avx2" && avx2) return avx2::kernels();
+  if (avx512) return avx512::kernels();
+  if (avx2) return avx2::kernels();
+#endif
+  return portable::kernels();
+}
+
+// GLA_NUM_THREADS, else the hardware's concurrency.
+int thread_budget() {
+  if (const char* env = std::getenv("GLA_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw ? static_cast<int>(hw) : 1;
+}
+
+// Flush denormal results to zero while the kernels run: strong decay drives many products below
+// FLT_MIN, and denormal arithmetic is ~100x slower on x86. The values lost are < 1.2e-38 relative
+// to their operands. Inputs are not treated as zero (DAZ stays off), so 16-bit subnormals convert
+// exactly. The caller's floating-point mode is restored afterwards.
+class FlushDenormals {
+ public:
+  FlushDenormals() {
+#if defined(__x86_64__) || defined(_M_X64)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ | 0x8000u);  // FTZ
+#endif
+  }
+  ~FlushDenormals() {
+#if defined(__x86_64__) || defined(_M_X64)
+    _mm_setcsr(saved_);
+#endif
+  }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+  int priority() const override { return 50; }
+  bool serves_device(int32_t device_type) const override {
+    return device_type == GLA_DEVICE_CPU || device_type == GLA_DEVICE_CUDA_HOST;
+  }
+  bool implements(int32_t unit) const override {
+    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit_is_stage(unit);
+  }
+
+  Verdict verify(const gla_problem& p) const override {
+    if (!host_accessible(p.device_type)) {
+      return Verdict::no(std::string("cpu reads host memory only, got device ") + device_type_name(p.device_type));
+    }
+    if (p.dtype != GLA_DTYPE_F32 && p.dtype != GLA_DTYPE_F16 && p.dtype != GLA_DTYPE_BF16) {
+      return Verdict::no(std::string("cpu supports float32, float16 and bfloat16 inputs, got ") + dtype_name(p.dtype));
+    }
+    if (p.gate_dtype != GLA_DTYPE_F32 && p.gate_dtype != p.dtype) {
+      return Verdict::no(std::string("cpu needs the gate in float32 or q's dtype, got ") + dtype_name(p.gate_dtype));
+    }
+    if (unit_is_stage(p.unit) && (p.chunk_size < 1 || p.chunk_size > 1024)) {
+      return Verdict::no("cpu stages support chunk sizes 1..1024, got " + std::to_string(p.chunk_size));
+    }
+    return Verdict::yes();
+  }
+
+  void run(const gla_problem& p) override {
+    const KernelTable& kernels = select_kernels();
+    const int64_t items = kernels.item_count(p);
+    if (items <= 0) return;
+    const size_t floats = kernels.scratch_floats(p);
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(thread_budget(), items));
+
+    std::vector<std::vector<float>> scratch;
+    try {
+      scratch.resize(static_cast<size_t>(threads));
+      for (auto& s : scratch) s.resize(floats);
+    } catch (const std::bad_alloc&) {
+      fail(GLA_STATUS_OUT_OF_MEMORY, "cpu: cannot allocate " + std::to_string(floats * 4 * threads) +
+                                         " bytes of scratch for " + std::to_string(threads) + " threads");
+    }
+
+    // Items are claimed dynamically (long sequences next to short ones balance), which cannot
+    // change results: every item is computed whole by one thread.
+    std::atomic<int64_t> next{0};
+    std::exception_ptr error;
+    std::mutex error_mutex;
+    auto worker = [&](int64_t id) {
+      try {
+        FlushDenormals ftz;
+        float* s = scratch[static_cast<size_t>(id)].data();
+        for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) kernels.run_item(p, i, s);
+      } catch (...) {
+        std::lock_guard lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+    };
+    std::vector<std::thread> pool;
+    pool.reserve(static_cast<size_t>(threads - 1));
+    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+    worker(0);
+    for (auto& th : pool) th.join();
+    if (error) std::rethrow_exception(error);
+  }
+};
+
+}  // namespace
+}  // namespace cpu
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<cpu::CpuBackend>(); }
+
+}  // namespace gla

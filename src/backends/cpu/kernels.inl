@@ -1,0 +1,974 @@
+// The cpu backend's kernels: the chunked algorithm of SPEC.md section 2 on fp32 tiles, for the whole
+// forward and backward operations and for every stage unit. Compiled once per instruction set:
+// kernels_<isa>.cpp includes simd.inl and this file inside namespace gla::cpu::<isa>.
+//
+// Conventions: a "tile" is a row-major fp32 array; L is the number of valid rows of a chunk (the
+// last chunk of a sequence may be partial); b is the chunk-local cumulative gate in log2 units;
+// every exp2 argument is <= 0 for g <= 0 (pivots at sub-chunk boundaries, element-wise diagonal
+// blocks), and masked entries are written with stores, never multiplied by a 0/1 mask.
+
+inline constexpr float kRcpLn2 = 1.4426950408889634f;
+inline constexpr int64_t kPairs = kSub * (kSub + 1) / 2;  // lower-triangle pairs of a diagonal block
+
+// ---------------------------------------------------------------------------------------------
+// Tensor access: strided, any float dtype, converted to/from fp32 tiles.
+// ---------------------------------------------------------------------------------------------
+struct Span {
+  int64_t batch, start, length;
+};
+inline Span span_of(const gla_problem& p, int64_t n) {
+  if (p.varlen) return {0, p.seq_offsets[n], p.seq_offsets[n + 1] - p.seq_offsets[n]};
+  return {n, 0, p.T};
+}
+inline bool has(const gla_tensor& t) { return t.data != nullptr; }
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu;
+  uint32_t m = h & 0x3ffu, u;
+  if (e == 0x1f) {
+    u = sign | 0x7f800000u | (m << 13);
+  } else if (e != 0) {
+    u = sign | ((e + 112u) << 23) | (m << 13);
+  } else if (m == 0) {
+    u = sign;
+  } else {  // subnormal half: normalise the mantissa (integer only, independent of MXCSR)
+    const int shift = __builtin_clz(m) - 21;
+    m <<= shift;
+    u = sign | (static_cast<uint32_t>(113 - shift) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_half(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (a >= 0x38800000u) {
+    uint32_t r = a - 0x38000000u;
+    r += 0xfffu + ((r >> 13) & 1u);
+    return static_cast<uint16_t>(sign | (r >> 13));
+  }
+  if (a <= 0x33000000u) return static_cast<uint16_t>(sign);
+  const uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, shift = 126u - e;
+  uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  return static_cast<uint16_t>(sign | q);
+}
+inline float bfloat_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_bfloat(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// dst[i] = x[off + i * stride] for i < n, as fp32.
+inline void load_row(const gla_tensor& x, int64_t off, int64_t stride, int64_t n, float* dst) {
+  switch (x.dtype) {
+    case GLA_DTYPE_F32: {
+      const float* s = static_cast<const float*>(x.data) + off;
+      if (stride == 1) {
+        std::memcpy(dst, s, static_cast<size_t>(n) * 4);
+      } else {
+        for (int64_t i = 0; i < n; ++i) dst[i] = s[i * stride];
+      }
+      break;
+    }
+    case GLA_DTYPE_F16:
+    case GLA_DTYPE_BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(x.data) + off;
+      const bool half = x.dtype == GLA_DTYPE_F16;
+#ifdef GLA_CPU_HAVE_VECTOR_16BIT
+      if (stride == 1) {
+        for_vectors(n, [&](int64_t c, int lanes) {
+          if (half) {
+            load_f16(s + c, dst + c, lanes);
+          } else {
+            load_bf16(s + c, dst + c, lanes);
+          }
+        });
+        break;
+      }
+#endif
+      for (int64_t i = 0; i < n; ++i) dst[i] = half ? half_to_float(s[i * stride]) : bfloat_to_float(s[i * stride]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+inline void store_row(const gla_tensor& x, int64_t off, int64_t stride, int64_t n, const float* src) {
+  switch (x.dtype) {
+    case GLA_DTYPE_F32: {
+      float* d = static_cast<float*>(x.data) + off;
+      if (stride == 1) {
+        std::memcpy(d, src, static_cast<size_t>(n) * 4);
+      } else {
+        for (int64_t i = 0; i < n; ++i) d[i * stride] = src[i];
+      }
+      break;
+    }
+    case GLA_DTYPE_F16: {
+      uint16_t* d = static_cast<uint16_t*>(x.data) + off;
+      for (int64_t i = 0; i < n; ++i) d[i * stride] = float_to_half(src[i]);
+      break;
+    }
+    case GLA_DTYPE_BF16: {
+      uint16_t* d = static_cast<uint16_t*>(x.data) + off;
+      for (int64_t i = 0; i < n; ++i) d[i * stride] = float_to_bfloat(src[i]);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+inline int64_t off4(const gla_tensor& t, int64_t a, int64_t b, int64_t c, int64_t d) {
+  return a * t.strides[0] + b * t.strides[1] + c * t.strides[2] + d * t.strides[3];
+}
+
+// Rows [t0, t0 + rows) of a [B, T, H, D] tensor at (batch, head), columns [d0, d0 + cols).
+inline void load_tile(const gla_tensor& x, int64_t batch, int64_t t0, int64_t rows, int64_t head, int64_t d0,
+                      int64_t cols, float* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) load_row(x, off4(x, batch, t0 + r, head, d0), x.strides[3], cols, dst + r * ld);
+}
+inline void store_tile(const gla_tensor& x, int64_t batch, int64_t t0, int64_t rows, int64_t head, int64_t d0,
+                       int64_t cols, const float* src, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) store_row(x, off4(x, batch, t0 + r, head, d0), x.strides[3], cols, src + r * ld);
+}
+
+// State (sequence n, head h) restricted to value columns [v0, v0 + bv) as a K x bv tile, in either
+// layout ([K, V] or [V, K] with state_v_first).
+inline void load_state(const gla_problem& p, const gla_tensor& s, int64_t n, int64_t h, int64_t v0, int64_t bv,
+                       float* dst) {
+  const int64_t sk = p.state_v_first ? s.strides[3] : s.strides[2];
+  const int64_t sv = p.state_v_first ? s.strides[2] : s.strides[3];
+  for (int64_t i = 0; i < p.K; ++i) load_row(s, n * s.strides[0] + h * s.strides[1] + i * sk + v0 * sv, sv, bv, dst + i * bv);
+}
+inline void store_state(const gla_problem& p, const gla_tensor& s, int64_t n, int64_t h, int64_t v0, int64_t bv,
+                        const float* src) {
+  const int64_t sk = p.state_v_first ? s.strides[3] : s.strides[2];
+  const int64_t sv = p.state_v_first ? s.strides[2] : s.strides[3];
+  for (int64_t i = 0; i < p.K; ++i) store_row(s, n * s.strides[0] + h * s.strides[1] + i * sk + v0 * sv, sv, bv, src + i * bv);
+}
+// Stage buffers h / dh: [NC, H, K, V] fp32 (always key-major).
+inline float* chunk_state(const gla_tensor& s, int64_t chunk, int64_t h) {
+  return static_cast<float*>(s.data) + chunk * s.strides[0] + h * s.strides[1];
+}
+inline void copy_from_chunk_state(const gla_problem& p, const gla_tensor& s, int64_t chunk, int64_t h, float* dst) {
+  const float* src = chunk_state(s, chunk, h);
+  for (int64_t i = 0; i < p.K; ++i) load_row(s, (src - static_cast<const float*>(s.data)) + i * s.strides[2], s.strides[3], p.V, dst + i * p.V);
+}
+inline void copy_to_chunk_state(const gla_problem& p, const gla_tensor& s, int64_t chunk, int64_t h, const float* src) {
+  float* dst = chunk_state(s, chunk, h);
+  for (int64_t i = 0; i < p.K; ++i) store_row(s, (dst - static_cast<float*>(s.data)) + i * s.strides[2], s.strides[3], p.V, src + i * p.V);
+}
+
+// b (L x K): chunk-local inclusive cumulative gate in log2 units, from g (per-key, or per-head
+// broadcast over K). `run` is K floats of scratch.
+inline void gate_cumsum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, float* b, float* run) {
+  const int64_t K = p.K;
+  if (p.gate_per_head) {
+    float acc = 0.0f;
+    for (int64_t r = 0; r < L; ++r) {
+      float gv;
+      load_row(p.g, batch * p.g.strides[0] + (t0 + r) * p.g.strides[1] + h * p.g.strides[2], 1, 1, &gv);
+      acc += gv;
+      const float val = acc * kRcpLn2;
+      for (int64_t i = 0; i < K; ++i) b[r * K + i] = val;
+    }
+    return;
+  }
+  for (int64_t i = 0; i < K; ++i) run[i] = 0.0f;
+  for (int64_t r = 0; r < L; ++r) {
+    float* row = b + r * K;
+    load_row(p.g, off4(p.g, batch, t0 + r, h, 0), p.g.strides[3], K, row);
+    for_vectors(K, [&](int64_t c, int lanes) {
+      const vf acc = vadd(vload_k(run + c, lanes), vload_k(row + c, lanes));
+      vstore_k(run + c, acc, lanes);
+      vstore_k(row + c, vmul(acc, vset(kRcpLn2)), lanes);
+    });
+  }
+}
+// b from the gcum stage buffer ([B, T, H, Kg], Kg = 1 broadcast for a per-head gate).
+inline void load_gcum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, float* b) {
+  const int64_t K = p.K;
+  const gla_tensor& gc = p.gcum;
+  const int64_t kg = gc.sizes[3];
+  for (int64_t r = 0; r < L; ++r) {
+    const float* src = static_cast<const float*>(gc.data) + off4(gc, batch, t0 + r, h, 0);
+    if (kg == 1) {
+      for (int64_t i = 0; i < K; ++i) b[r * K + i] = src[0];
+    } else {
+      for (int64_t i = 0; i < K; ++i) b[r * K + i] = src[i * gc.strides[3]];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dense tile products: C[M x N] (+)= A[M x D] * B[D x N], A element (i, d) at a[i*rsa + d*csa]
+// (so A may be read transposed), B and C row-major. Register-tiled micro-kernel; the last vector
+// of a row is masked.
+// ---------------------------------------------------------------------------------------------
+template <int MR, int NV, bool Full>
+inline void gemm_tile(int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b, int64_t ldb, float* c,
+                      int64_t ldc, int nlast, bool accumulate) {
+  vf acc[MR][NV];
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NV; ++j) {
+      if (!accumulate) {
+        acc[i][j] = vzero();
+      } else if (Full || j < NV - 1) {
+        acc[i][j] = vload(c + i * ldc + j * W);
+      } else {
+        acc[i][j] = vload_n(c + i * ldc + j * W, nlast);
+      }
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    const float* brow = b + d * ldb;
+    vf bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = (Full || j < NV - 1) ? vload(brow + j * W) : vload_n(brow + j * W, nlast);
+    const float* ap = a + d * csa;
+    for (int i = 0; i < MR; ++i) {
+      const vf av = vset(ap[i * rsa]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = vfma(av, bv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NV; ++j) {
+      if (Full || j < NV - 1) {
+        vstore(c + i * ldc + j * W, acc[i][j]);
+      } else {
+        vstore_n(c + i * ldc + j * W, acc[i][j], nlast);
+      }
+    }
+  }
+}
+
+template <int MR, int NV>
+inline void gemm_tile_dispatch_full(bool full, int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b,
+                                    int64_t ldb, float* c, int64_t ldc, int nlast, bool accumulate) {
+  if (full) {
+    gemm_tile<MR, NV, true>(D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate);
+  } else {
+    gemm_tile<MR, NV, false>(D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate);
+  }
+}
+
+template <int MR>
+inline void gemm_tile_dispatch_vecs(int nv, bool full, int64_t D, const float* a, int64_t rsa, int64_t csa,
+                                    const float* b, int64_t ldb, float* c, int64_t ldc, int nlast, bool accumulate) {
+  static_assert(kTileVecs >= 1 && kTileVecs <= 4, "tile width");
+  switch (nv) {
+    case 1: gemm_tile_dispatch_full<MR, 1>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate); break;
+    case 2: if constexpr (kTileVecs >= 2) gemm_tile_dispatch_full<MR, 2>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate); break;
+    case 3: if constexpr (kTileVecs >= 3) gemm_tile_dispatch_full<MR, 3>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate); break;
+    default: if constexpr (kTileVecs >= 4) gemm_tile_dispatch_full<MR, 4>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate); break;
+  }
+}
+
+inline void gemm(int64_t M, int64_t N, int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b, int64_t ldb,
+                 float* c, int64_t ldc, bool accumulate) {
+  if (M <= 0 || N <= 0) return;
+  if (D <= 0) {
+    if (!accumulate) {
+      for (int64_t i = 0; i < M; ++i) std::memset(c + i * ldc, 0, static_cast<size_t>(N) * 4);
+    }
+    return;
+  }
+  constexpr int64_t kPanel = int64_t{kTileVecs} * W;
+  for (int64_t j0 = 0; j0 < N; j0 += kPanel) {
+    const int64_t cols = std::min<int64_t>(kPanel, N - j0);
+    const int nv = static_cast<int>((cols + W - 1) / W);
+    const int nlast = static_cast<int>(cols - int64_t{nv - 1} * W);
+    const bool full = nlast == W;
+    for (int64_t i0 = 0; i0 < M; i0 += kTileRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kTileRows, M - i0));
+      const float* ai = a + i0 * rsa;
+      float* ci = c + i0 * ldc + j0;
+      const float* bj = b + j0;
+      switch (mr) {
+        case 4: gemm_tile_dispatch_vecs<4>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
+        case 3: gemm_tile_dispatch_vecs<3>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
+        case 2: gemm_tile_dispatch_vecs<2>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
+        default: gemm_tile_dispatch_vecs<1>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
+      }
+    }
+  }
+}
+
+// dst[c * ldd + r] = src[r * lds + c]
+inline void transpose(int64_t rows, int64_t cols, const float* src, int64_t lds, float* dst, int64_t ldd) {
+  constexpr int64_t kBlock = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
+    const int64_t r1 = std::min(rows, r0 + kBlock);
+    for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+      const int64_t c1 = std::min(cols, c0 + kBlock);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) dst[c * ldd + r] = src[r * lds + c];
+      }
+    }
+  }
+}
+
+// out[i] = x[i] * 2^(e1[i] - e0[i]) * s over n floats (e0 may be null: 0).
+inline void scale_exp2_diff(int64_t n, const float* x, const float* e1, const float* e0, float s, float* out) {
+  for_vectors(n, [&](int64_t c, int lanes) {
+    vf e = vload_k(e1 + c, lanes);
+    if (e0) e = vsub(e, vload_k(e0 + c, lanes));
+    vstore_k(out + c, vmul(vmul(vload_k(x + c, lanes), vexp2(e)), vset(s)), lanes);
+  });
+}
+// x[i] *= f[i] over n floats.
+inline void mul_inplace(int64_t n, float* x, const float* f) {
+  for_vectors(n, [&](int64_t c, int lanes) { vstore_k(x + c, vmul(vload_k(x + c, lanes), vload_k(f + c, lanes)), lanes); });
+}
+// x[i] += y[i] * f[i]
+inline void fma_inplace(int64_t n, float* x, const float* y, const float* f) {
+  for_vectors(n, [&](int64_t c, int lanes) {
+    vstore_k(x + c, vfma(vload_k(y + c, lanes), vload_k(f + c, lanes), vload_k(x + c, lanes)), lanes);
+  });
+}
+// out[i] = 2^(e1[i] - e0[i])
+inline void exp2_diff(int64_t n, const float* e1, const float* e0, float* out) {
+  for_vectors(n, [&](int64_t c, int lanes) {
+    vf e = vload_k(e1 + c, lanes);
+    if (e0) e = vsub(e, vload_k(e0 + c, lanes));
+    vstore_k(out + c, vexp2(e), lanes);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chunk building blocks. Tiles: q, k, b [L x K]; v, do [L x V] (ld = their width); A, dA [L x C]
+// with ld C. Scratch pointers are sized by the callers' layouts.
+// ---------------------------------------------------------------------------------------------
+struct IntraScratch {
+  float* qp;    // kSub x K: query rows scaled to the pivot
+  float* kpt;   // K x C: keys scaled to the pivot, transposed (ld C)
+  float* krow;  // kSub x K
+  float* fac;   // K
+};
+
+// A[t][s] = scale * sum_k q_tk k_sk 2^(b_tk - b_sk) for s <= t < L; 0 for t < s < zero_to.
+// Off-diagonal sub-chunk blocks: one product per query sub-chunk i, pivoted at its first row p_i:
+// (q_t 2^(b_t - p_i)) . (k_s 2^(p_i - b_s)); the keys' factor for pivot i is the one for pivot i-1
+// times 2^(p_i - p_(i-1)), so each key row is exponentiated once. Diagonal blocks element-wise;
+// `wd` (optional, [nsub][kPairs][K]) receives their weights 2^(b_t - b_s) for the backward.
+inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const float* q, const float* k, const float* b,
+                            float* A, int64_t zero_to, float* wd, const IntraScratch& s) {
+  const int64_t nsub = (L + kSub - 1) / kSub;
+  for (int64_t i = 0; i < nsub; ++i) {
+    const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
+    if (i > 0) {
+      const float* pivot = b + r0 * K;
+      const int64_t old = r0 - kSub;  // key columns already in kpt (pivot i - 1)
+      if (old > 0) {
+        exp2_diff(K, pivot, b + old * K, s.fac);
+        for (int64_t kk = 0; kk < K; ++kk) {
+          float* row = s.kpt + kk * C;
+          const vf f = vset(s.fac[kk]);
+          for_vectors(old, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
+        }
+      }
+      for (int64_t r = 0; r < kSub; ++r) scale_exp2_diff(K, k + (old + r) * K, pivot, b + (old + r) * K, 1.0f, s.krow + r * K);
+      transpose(kSub, K, s.krow, K, s.kpt + old, C);
+      for (int64_t t = 0; t < ni; ++t) scale_exp2_diff(K, q + (r0 + t) * K, b + (r0 + t) * K, pivot, scale, s.qp + t * K);
+      gemm(ni, r0, K, s.qp, K, 1, s.kpt, C, A + r0 * C, C, false);
+    }
+    float* w = wd ? wd + i * kPairs * K : nullptr;
+    for (int64_t t = 0; t < ni; ++t) {
+      const float* qt = q + (r0 + t) * K;
+      const float* bt = b + (r0 + t) * K;
+      float* arow = A + (r0 + t) * C;
+      for (int64_t u = 0; u <= t; ++u) {
+        const float* ks = k + (r0 + u) * K;
+        const float* bs = b + (r0 + u) * K;
+        float* wp = w ? w + (t * (t + 1) / 2 + u) * K : nullptr;
+        vf acc = vzero();
+        for_vectors(K, [&](int64_t c, int lanes) {
+          const vf e = vexp2(vsub(vload_k(bt + c, lanes), vload_k(bs + c, lanes)));
+          if (wp) vstore_k(wp + c, e, lanes);
+          acc = vfma(vmul(vload_k(qt + c, lanes), vload_k(ks + c, lanes)), e, acc);
+        });
+        arow[r0 + u] = scale * vsum(acc);
+      }
+      for (int64_t u = r0 + t + 1; u < zero_to; ++u) arow[u] = 0.0f;
+    }
+  }
+}
+
+// dA[t][s] = scale * do_t . v_s for s <= t < L; 0 for t < s < zero_to. vt: V x C scratch.
+inline void intra_dA(int64_t L, int64_t V, int64_t C, float scale, const float* dout, const float* v, float* dA,
+                     int64_t zero_to, float* vt) {
+  transpose(L, V, v, V, vt, C);
+  const int64_t nsub = (L + kSub - 1) / kSub;
+  for (int64_t i = 0; i < nsub; ++i) {
+    const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
+    gemm(ni, r0 + ni, V, dout + r0 * V, V, 1, vt, C, dA + r0 * C, C, false);
+    for (int64_t t = 0; t < ni; ++t) {
+      float* row = dA + (r0 + t) * C;
+      for (int64_t u = 0; u <= r0 + t; ++u) row[u] *= scale;
+      for (int64_t u = r0 + t + 1; u < zero_to; ++u) row[u] = 0.0f;
+    }
+  }
+}
+
+// o (L x bv) = scale (q ⊙ 2^b) S + A v.  qe: L x K scratch.
+inline void chunk_output(int64_t L, int64_t K, int64_t bv, int64_t C, float scale, const float* q, const float* b,
+                         const float* S, const float* A, const float* v, float* o, float* qe) {
+  for (int64_t r = 0; r < L; ++r) scale_exp2_diff(K, q + r * K, b + r * K, nullptr, scale, qe + r * K);
+  gemm(L, bv, K, qe, K, 1, S, bv, o, bv, false);
+  const int64_t nsub = (L + kSub - 1) / kSub;
+  for (int64_t i = 0; i < nsub; ++i) {
+    const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
+    gemm(ni, bv, r0 + ni, A + r0 * C, C, 1, v, bv, o + r0 * bv, bv, true);
+  }
+}
+
+// S (K x bv) <- Diag(2^b_last) S + (k ⊙ 2^(b_last - b))^T v.  kl: L x K, fac: K scratch.
+inline void state_step(int64_t L, int64_t K, int64_t bv, const float* k, const float* b, const float* v, float* S,
+                       float* kl, float* fac) {
+  const float* bl = b + (L - 1) * K;
+  for (int64_t r = 0; r < L; ++r) scale_exp2_diff(K, k + r * K, bl, b + r * K, 1.0f, kl + r * K);
+  exp2_diff(K, bl, nullptr, fac);
+  for (int64_t kk = 0; kk < K; ++kk) {
+    float* row = S + kk * bv;
+    const vf f = vset(fac[kk]);
+    for_vectors(bv, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
+  }
+  gemm(K, bv, L, kl, 1, K, v, bv, S, bv, true);
+}
+
+// dS (K x V) <- Diag(2^b_last) dS + (scale q ⊙ 2^b)^T do.  qs: L x K, fac: K scratch.
+inline void dstate_step(int64_t L, int64_t K, int64_t V, float scale, const float* q, const float* b, const float* dout,
+                        float* dS, float* qs, float* fac) {
+  const float* bl = b + (L - 1) * K;
+  for (int64_t r = 0; r < L; ++r) scale_exp2_diff(K, q + r * K, b + r * K, nullptr, scale, qs + r * K);
+  exp2_diff(K, bl, nullptr, fac);
+  for (int64_t kk = 0; kk < K; ++kk) {
+    float* row = dS + kk * V;
+    const vf f = vset(fac[kk]);
+    for_vectors(V, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
+  }
+  gemm(K, V, L, qs, 1, K, dout, V, dS, V, true);
+}
+
+// dv (L x V) = A^T do + (k ⊙ 2^(b_last - b)) dS_end.  kl: L x K scratch.
+inline void chunk_dv(int64_t L, int64_t K, int64_t V, int64_t C, const float* k, const float* b, const float* A,
+                     const float* dout, const float* dS, float* dv, float* kl) {
+  const float* bl = b + (L - 1) * K;
+  for (int64_t r = 0; r < L; ++r) scale_exp2_diff(K, k + r * K, bl, b + r * K, 1.0f, kl + r * K);
+  gemm(L, V, K, kl, K, 1, dS, V, dv, V, false);
+  const int64_t nsub = (L + kSub - 1) / kSub;
+  for (int64_t j = 0; j < nsub; ++j) {
+    const int64_t r0 = j * kSub, nj = std::min(kSub, L - r0);
+    // rows s of sub-chunk j: sum over t >= r0 of A[t][s] do_t (A is zero above the diagonal)
+    gemm(nj, V, L - r0, A + r0 * C + r0, 1, C, dout + r0 * V, V, dv + r0 * V, V, true);
+  }
+}
+
+struct DqkScratch {
+  float* kp;   // C x K: keys scaled to the query pivot (row-major)
+  float* qr;   // C x K: queries scaled to the key pivot (row-major)
+  float* tmp;  // C x K
+  float* fac;  // K
+  float* w;    // K (diagonal weights when not precomputed)
+};
+
+// Intra-chunk parts of dq and dk, added into dq, dk (L x K):
+//   dq_t += sum_{s <= t} dA[t][s] k_s 2^(b_t - b_s),  dk_s += sum_{t >= s} dA[t][s] q_t 2^(b_t - b_s).
+// dq pivots at the first row of the query sub-chunk, dk at the last row of the key sub-chunk; the
+// diagonal blocks use `wd` from intra_attention when given, else recompute the weights.
+inline void intra_dqk(int64_t L, int64_t K, int64_t C, const float* q, const float* k, const float* b, const float* dA,
+                      const float* wd, float* dq, float* dk, const DqkScratch& s) {
+  const int64_t nsub = (L + kSub - 1) / kSub;
+  // dq, off-diagonal: kp holds k_s 2^(p_i - b_s) for s < r0, updated incrementally.
+  for (int64_t i = 1; i < nsub; ++i) {
+    const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0), old = r0 - kSub;
+    const float* pivot = b + r0 * K;
+    if (old > 0) {
+      exp2_diff(K, pivot, b + old * K, s.fac);
+      for (int64_t r = 0; r < old; ++r) mul_inplace(K, s.kp + r * K, s.fac);
+    }
+    for (int64_t r = old; r < r0; ++r) scale_exp2_diff(K, k + r * K, pivot, b + r * K, 1.0f, s.kp + r * K);
+    gemm(ni, K, r0, dA + r0 * C, C, 1, s.kp, K, s.tmp, K, false);
+    for (int64_t t = 0; t < ni; ++t) {
+      exp2_diff(K, b + (r0 + t) * K, pivot, s.fac);
+      fma_inplace(K, dq + (r0 + t) * K, s.tmp + t * K, s.fac);
+    }
+  }
+  // dk, off-diagonal: for key sub-chunk j, queries t >= e_j = (j+1) kSub, pivot r_j = b at the last
+  // row of sub-chunk j; qr holds q_t 2^(b_t - r_j), updated incrementally going down in j.
+  for (int64_t j = nsub - 2; j >= 0; --j) {
+    const int64_t r0 = j * kSub, e = r0 + kSub;
+    const float* pivot = b + (e - 1) * K;
+    const int64_t next_e = e + kSub;  // rows already in qr (from pivot j + 1) start at next_e
+    if (next_e < L) {
+      exp2_diff(K, b + (next_e - 1) * K, pivot, s.fac);
+      for (int64_t r = next_e; r < L; ++r) mul_inplace(K, s.qr + r * K, s.fac);
+    }
+    for (int64_t r = e; r < std::min(next_e, L); ++r) scale_exp2_diff(K, q + r * K, b + r * K, pivot, 1.0f, s.qr + r * K);
+    // tmp[s] = sum_{t >= e} dA[t][s] qr_t, s in sub-chunk j
+    gemm(kSub, K, L - e, dA + e * C + r0, 1, C, s.qr + e * K, K, s.tmp, K, false);
+    for (int64_t u = 0; u < kSub; ++u) {
+      exp2_diff(K, pivot, b + (r0 + u) * K, s.fac);
+      fma_inplace(K, dk + (r0 + u) * K, s.tmp + u * K, s.fac);
+    }
+  }
+  // diagonal blocks, element-wise
+  for (int64_t i = 0; i < nsub; ++i) {
+    const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
+    const float* w = wd ? wd + i * kPairs * K : nullptr;
+    for (int64_t t = 0; t < ni; ++t) {
+      const float* qt = q + (r0 + t) * K;
+      const float* bt = b + (r0 + t) * K;
+      float* dqt = dq + (r0 + t) * K;
+      for (int64_t u = 0; u <= t; ++u) {
+        const float* ks = k + (r0 + u) * K;
+        const float* bs = b + (r0 + u) * K;
+        float* dks = dk + (r0 + u) * K;
+        const float* wp = w ? w + (t * (t + 1) / 2 + u) * K : nullptr;
+        const vf a = vset(dA[(r0 + t) * C + r0 + u]);
+        for_vectors(K, [&](int64_t c, int lanes) {
+          const vf e = wp ? vload_k(wp + c, lanes) : vexp2(vsub(vload_k(bt + c, lanes), vload_k(bs + c, lanes)));
+          const vf ae = vmul(a, e);
+          vstore_k(dqt + c, vfma(ae, vload_k(ks + c, lanes), vload_k(dqt + c, lanes)), lanes);
+          vstore_k(dks + c, vfma(ae, vload_k(qt + c, lanes), vload_k(dks + c, lanes)), lanes);
+        });
+      }
+    }
+  }
+}
+
+struct InterScratch {
+  float* st;   // V x K: S_c transposed
+  float* dst;  // V x K: dS_end transposed
+  float* tmp;  // L x K
+  float* e;    // L x K
+  float* dgl;  // K
+  float* fac;  // K
+};
+
+// Inter-chunk parts: dq += scale 2^b ⊙ (do S_c^T), dk += 2^(b_last - b) ⊙ (v dS^T) (= dk_inter);
+// then, with dq and dk complete, dg (L x K, when non-null) = reverse cumsum of q⊙dq - k⊙dk plus
+// 2^b_last ⊙ rowsum(S_c ⊙ dS) + sum_s k_s ⊙ dk_inter_s.
+inline void inter_dqkg(int64_t L, int64_t K, int64_t V, float scale, const float* q, const float* k, const float* v,
+                       const float* b, const float* dout, const float* Sc, const float* dS, float* dq, float* dk,
+                       float* dg, const InterScratch& s) {
+  const float* bl = b + (L - 1) * K;
+  transpose(K, V, Sc, V, s.st, K);
+  transpose(K, V, dS, V, s.dst, K);
+  // dq
+  gemm(L, K, V, dout, V, 1, s.st, K, s.tmp, K, false);
+  for (int64_t r = 0; r < L; ++r) {
+    exp2_diff(K, b + r * K, nullptr, s.e + r * K);
+    for_vectors(K, [&](int64_t c, int lanes) {
+      const vf x = vmul(vmul(vload_k(s.tmp + r * K + c, lanes), vload_k(s.e + r * K + c, lanes)), vset(scale));
+      vstore_k(dq + r * K + c, vadd(vload_k(dq + r * K + c, lanes), x), lanes);
+    });
+  }
+  // dk_inter into tmp, then into dk
+  gemm(L, K, V, v, V, 1, s.dst, K, s.tmp, K, false);
+  for (int64_t r = 0; r < L; ++r) {
+    exp2_diff(K, bl, b + r * K, s.e + r * K);
+    mul_inplace(K, s.tmp + r * K, s.e + r * K);
+    for_vectors(K, [&](int64_t c, int lanes) {
+      vstore_k(dk + r * K + c, vadd(vload_k(dk + r * K + c, lanes), vload_k(s.tmp + r * K + c, lanes)), lanes);
+    });
+  }
+  if (!dg) return;
+  exp2_diff(K, bl, nullptr, s.fac);
+  for (int64_t kk = 0; kk < K; ++kk) {
+    const float* a = Sc + kk * V;
+    const float* d = dS + kk * V;
+    vf acc = vzero();
+    for_vectors(V, [&](int64_t c, int lanes) { acc = vfma(vload_k(a + c, lanes), vload_k(d + c, lanes), acc); });
+    s.dgl[kk] = s.fac[kk] * vsum(acc);
+  }
+  for (int64_t r = 0; r < L; ++r) fma_inplace(K, s.dgl, k + r * K, s.tmp + r * K);
+  // reverse cumulative sum of x = q⊙dq - k⊙dk, starting from dgl
+  for (int64_t r = L - 1; r >= 0; --r) {
+    for_vectors(K, [&](int64_t c, int lanes) {
+      const vf x = vsub(vmul(vload_k(q + r * K + c, lanes), vload_k(dq + r * K + c, lanes)),
+                        vmul(vload_k(k + r * K + c, lanes), vload_k(dk + r * K + c, lanes)));
+      const vf acc = vadd(vload_k(s.dgl + c, lanes), x);
+      vstore_k(s.dgl + c, acc, lanes);
+      vstore_k(dg + r * K + c, acc, lanes);
+    });
+  }
+}
+
+// dg tile (L x K) into the dg tensor: per-key as is, per-head summed over K.
+inline void store_dg(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, const float* dg) {
+  if (p.gate_per_head) {
+    for (int64_t r = 0; r < L; ++r) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < p.K; ++i) acc += dg[r * p.K + i];
+      store_row(p.dg, batch * p.dg.strides[0] + (t0 + r) * p.dg.strides[1] + h * p.dg.strides[2], 1, 1, &acc);
+    }
+    return;
+  }
+  store_tile(p.dg, batch, t0, L, h, 0, p.K, dg, p.K);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scratch layout: one carve-up per unit, used both to size (base == nullptr) and to run.
+// ---------------------------------------------------------------------------------------------
+class Arena {
+ public:
+  explicit Arena(float* base) : base_(base) {}
+  float* take(int64_t floats) {
+    float* at = base_ ? base_ + used_ : nullptr;
+    used_ += (floats + 15) / 16 * 16;  // 64-byte granules
+    return at;
+  }
+  size_t used() const { return static_cast<size_t>(used_); }
+
+ private:
+  float* base_;
+  int64_t used_ = 0;
+};
+
+inline int64_t value_tiles(const gla_problem& p) { return (p.V + kMaxValueTile - 1) / kMaxValueTile; }
+inline int64_t value_tile_width(const gla_problem& p) {
+  const int64_t n = value_tiles(p);
+  return (p.V + n - 1) / n;
+}
+inline bool is_stage(int32_t unit) { return unit >= GLA_UNIT_CUMSUM && unit <= GLA_UNIT_BWD_DQKG; }
+inline int64_t chunk_of(const gla_problem& p) { return is_stage(p.unit) ? p.chunk_size : kChunk; }
+inline int64_t max_chunks_per_sequence(const gla_problem& p, int64_t C) {
+  int64_t m = 0;
+  for (int64_t n = 0; n < p.N; ++n) m = std::max(m, (span_of(p, n).length + C - 1) / C);
+  return m;
+}
+
+struct Tiles {
+  float *q, *k, *b, *v, *dout, *A, *dA, *o, *S, *dS, *wd, *dq, *dk, *dg, *dv, *kl, *run, *states;
+  IntraScratch intra;
+  DqkScratch dqk;
+  InterScratch inter;
+  float* vt;
+};
+
+inline Tiles carve(const gla_problem& p, float* base, size_t* total) {
+  Arena a(base);
+  Tiles t{};
+  const int64_t K = p.K, V = p.V, C = chunk_of(p);
+  const int64_t nsub = (C + kSub - 1) / kSub;
+  const int64_t bv = p.unit == GLA_UNIT_CHUNK_FWD ? value_tile_width(p) : V;
+  t.q = a.take(C * K);
+  t.k = a.take(C * K);
+  t.b = a.take(C * K);
+  t.v = a.take(C * bv);
+  t.dout = a.take(C * V);
+  t.A = a.take(C * C);
+  t.dA = a.take(C * C);
+  t.o = a.take(C * bv);
+  t.S = a.take(K * bv);
+  t.dS = a.take(K * V);
+  t.wd = a.take(nsub * kPairs * K);
+  t.dq = a.take(C * K);
+  t.dk = a.take(C * K);
+  t.dg = a.take(C * K);
+  t.dv = a.take(C * V);
+  t.kl = a.take(C * K);
+  t.run = a.take(K);
+  t.vt = a.take(V * C);
+  t.intra = {a.take(kSub * K), a.take(K * C), a.take(kSub * K), a.take(K)};
+  t.dqk = {a.take(C * K), a.take(C * K), a.take(C * K), a.take(K), a.take(K)};
+  t.inter = {a.take(V * K), a.take(V * K), a.take(C * K), a.take(C * K), a.take(K), a.take(K)};
+  t.states = p.unit == GLA_UNIT_CHUNK_BWD ? a.take(max_chunks_per_sequence(p, C) * K * V) : nullptr;
+  *total = a.used();
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work items
+// ---------------------------------------------------------------------------------------------
+inline void load_initial_state(const gla_problem& p, int64_t n, int64_t h, int64_t v0, int64_t bv, float* S) {
+  if (has(p.initial_state)) {
+    load_state(p, p.initial_state, n, h, v0, bv, S);
+  } else {
+    std::memset(S, 0, static_cast<size_t>(p.K * bv) * 4);
+  }
+}
+
+// Whole forward: item = (sequence, head, value tile).
+inline void run_forward(const gla_problem& p, int64_t item, const Tiles& t) {
+  const int64_t nt = value_tiles(p), bw = value_tile_width(p);
+  const int64_t vt = item % nt, h = (item / nt) % p.H, n = item / nt / p.H;
+  const int64_t v0 = vt * bw, bv = std::min(bw, p.V - v0);
+  const Span sp = span_of(p, n);
+  const int64_t K = p.K, C = kChunk;
+  const float scale = static_cast<float>(p.scale);
+  load_initial_state(p, n, h, v0, bv, t.S);
+  for (int64_t c0 = 0; c0 < sp.length; c0 += C) {
+    const int64_t L = std::min(C, sp.length - c0), t0 = sp.start + c0;
+    load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
+    load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
+    load_tile(p.v, sp.batch, t0, L, h, v0, bv, t.v, bv);
+    gate_cumsum(p, sp.batch, t0, L, h, t.b, t.run);
+    intra_attention(L, K, C, scale, t.q, t.k, t.b, t.A, std::min(C, (L + kSub - 1) / kSub * kSub), nullptr, t.intra);
+    chunk_output(L, K, bv, C, scale, t.q, t.b, t.S, t.A, t.v, t.o, t.kl);
+    store_tile(p.o, sp.batch, t0, L, h, v0, bv, t.o, bv);
+    state_step(L, K, bv, t.k, t.b, t.v, t.S, t.kl, t.run);
+  }
+  if (has(p.final_state)) store_state(p, p.final_state, n, h, v0, bv, t.S);
+}
+
+// Whole backward: item = (sequence, head). A forward pass recomputes the chunk-start states, then a
+// reverse pass carries dS and finishes each chunk's dq, dk, dv, dg while its tiles are in cache.
+inline void run_backward(const gla_problem& p, int64_t item, const Tiles& t) {
+  const int64_t h = item % p.H, n = item / p.H;
+  const Span sp = span_of(p, n);
+  const int64_t K = p.K, V = p.V, C = kChunk;
+  const float scale = static_cast<float>(p.scale);
+  const bool want_dqk = has(p.dq) || has(p.dk) || has(p.dg);
+  const int64_t nchunks = (sp.length + C - 1) / C;
+  if (want_dqk || has(p.dv)) {
+    load_initial_state(p, n, h, 0, V, t.S);
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const int64_t c0 = c * C, L = std::min(C, sp.length - c0), t0 = sp.start + c0;
+      std::memcpy(t.states + c * K * V, t.S, static_cast<size_t>(K * V) * 4);
+      if (c + 1 == nchunks) break;
+      load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
+      load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
+      gate_cumsum(p, sp.batch, t0, L, h, t.b, t.run);
+      state_step(L, K, V, t.k, t.b, t.v, t.S, t.kl, t.run);
+    }
+  }
+  if (has(p.dht)) {
+    load_state(p, p.dht, n, h, 0, V, t.dS);
+  } else {
+    std::memset(t.dS, 0, static_cast<size_t>(K * V) * 4);
+  }
+  for (int64_t c = nchunks - 1; c >= 0; --c) {
+    const int64_t c0 = c * C, L = std::min(C, sp.length - c0), t0 = sp.start + c0;
+    load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
+    if (has(p.do_)) {
+      load_tile(p.do_, sp.batch, t0, L, h, 0, V, t.dout, V);
+    } else {
+      std::memset(t.dout, 0, static_cast<size_t>(L * V) * 4);
+    }
+    gate_cumsum(p, sp.batch, t0, L, h, t.b, t.run);
+    if (want_dqk || has(p.dv)) {
+      load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
+      load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
+      intra_attention(L, K, C, scale, t.q, t.k, t.b, t.A, L, want_dqk ? t.wd : nullptr, t.intra);
+      if (has(p.dv)) {
+        chunk_dv(L, K, V, C, t.k, t.b, t.A, t.dout, t.dS, t.dv, t.kl);
+        store_tile(p.dv, sp.batch, t0, L, h, 0, V, t.dv, V);
+      }
+      if (want_dqk) {
+        intra_dA(L, V, C, scale, t.dout, t.v, t.dA, L, t.vt);
+        std::memset(t.dq, 0, static_cast<size_t>(L * K) * 4);
+        std::memset(t.dk, 0, static_cast<size_t>(L * K) * 4);
+        intra_dqk(L, K, C, t.q, t.k, t.b, t.dA, t.wd, t.dq, t.dk, t.dqk);
+        inter_dqkg(L, K, V, scale, t.q, t.k, t.v, t.b, t.dout, t.states + c * K * V, t.dS, t.dq, t.dk,
+                   has(p.dg) ? t.dg : nullptr, t.inter);
+        if (has(p.dq)) store_tile(p.dq, sp.batch, t0, L, h, 0, K, t.dq, K);
+        if (has(p.dk)) store_tile(p.dk, sp.batch, t0, L, h, 0, K, t.dk, K);
+        if (has(p.dg)) store_dg(p, sp.batch, t0, L, h, t.dg);
+      }
+    }
+    dstate_step(L, K, V, scale, t.q, t.b, t.dout, t.dS, t.kl, t.run);
+  }
+  if (has(p.dh0)) store_state(p, p.dh0, n, h, 0, V, t.dS);
+}
+
+// ---- stage units: item = (sequence, head); chunks per problem.chunk_size ----
+inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
+  const int64_t h = item % p.H, n = item / p.H;
+  const Span sp = span_of(p, n);
+  const int64_t K = p.K, V = p.V, C = p.chunk_size;
+  const float scale = static_cast<float>(p.scale);
+  const int64_t nchunks = (sp.length + C - 1) / C;
+  const int64_t first_chunk = p.chunk_offsets ? p.chunk_offsets[n] : 0;
+  const auto rows = [&](int64_t c) { return std::min(C, sp.length - c * C); };
+  switch (p.unit) {
+    case GLA_UNIT_CUMSUM: {
+      const int64_t kg = p.gcum.sizes[3];
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t L = rows(c), t0 = sp.start + c * C;
+        gate_cumsum(p, sp.batch, t0, L, h, t.b, t.run);
+        for (int64_t r = 0; r < L; ++r) {
+          float* dst = static_cast<float*>(p.gcum.data) + off4(p.gcum, sp.batch, t0 + r, h, 0);
+          for (int64_t i = 0; i < kg; ++i) dst[i * p.gcum.strides[3]] = t.b[r * K + i];
+        }
+      }
+      break;
+    }
+    case GLA_UNIT_FWD_H: {
+      load_initial_state(p, n, h, 0, V, t.S);
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t L = rows(c), t0 = sp.start + c * C;
+        copy_to_chunk_state(p, p.h, first_chunk + c, h, t.S);
+        load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
+        load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
+        load_gcum(p, sp.batch, t0, L, h, t.b);
+        state_step(L, K, V, t.k, t.b, t.v, t.S, t.kl, t.run);
+      }
+      if (has(p.final_state)) store_state(p, p.final_state, n, h, 0, V, t.S);
+      break;
+    }
+    case GLA_UNIT_FWD_INTRA: {
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t L = rows(c), t0 = sp.start + c * C;
+        load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
+        load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
+        load_gcum(p, sp.batch, t0, L, h, t.b);
+        intra_attention(L, K, C, scale, t.q, t.k, t.b, t.A, C, nullptr, t.intra);
+        store_tile(p.A, sp.batch, t0, L, h, 0, C, t.A, C);
+      }
+      break;
+    }
+    case GLA_UNIT_FWD_O: {
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t L = rows(c), t0 = sp.start + c * C;
+        load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
+        load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
+        load_tile(p.A, sp.batch, t0, L, h, 0, C, t.A, C);
+        load_gcum(p, sp.batch, t0, L, h, t.b);
+        copy_from_chunk_state(p, p.h, first_chunk + c, h, t.S);
+        chunk_output(L, K, V, C, scale, t.q, t.b, t.S, t.A, t.v, t.o, t.kl);
+        store_tile(p.o, sp.batch, t0, L, h, 0, V, t.o, V);
+      }
+      break;
+    }
+    case GLA_UNIT_BWD_DH: {
+      if (has(p.dht)) {
+        load_state(p, p.dht, n, h, 0, V, t.dS);
+      } else {
+        std::memset(t.dS, 0, static_cast<size_t>(K * V) * 4);
+      }
+      for (int64_t c = nchunks - 1; c >= 0; --c) {
+        const int64_t L = rows(c), t0 = sp.start + c * C;
+        copy_to_chunk_state(p, p.dh, first_chunk + c, h, t.dS);
+        load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
+        if (has(p.do_)) {
+          load_tile(p.do_, sp.batch, t0, L, h, 0, V, t.dout, V);
+        } else {
+          std::memset(t.dout, 0, static_cast<size_t>(L * V) * 4);
+        }
+        load_gcum(p, sp.batch, t0, L, h, t.b);
+        dstate_step(L, K, V, scale, t.q, t.b, t.dout, t.dS, t.kl, t.run);
+      }
+      if (has(p.dh0)) store_state(p, p.dh0, n, h, 0, V, t.dS);
+      break;
+    }
+    case GLA_UNIT_BWD_DA: {
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t L = rows(c), t0 = sp.start + c * C;
+        if (has(p.do_)) {
+          load_tile(p.do_, sp.batch, t0, L, h, 0, V, t.dout, V);
+        } else {
+          std::memset(t.dout, 0, static_cast<size_t>(L * V) * 4);
+        }
+        load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
+        intra_dA(L, V, C, scale, t.dout, t.v, t.dA, C, t.vt);
+        store_tile(p.dA, sp.batch, t0, L, h, 0, C, t.dA, C);
+      }
+      break;
+    }
+    case GLA_UNIT_BWD_DV: {
+      if (!has(p.dv)) break;
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t L = rows(c), t0 = sp.start + c * C;
+        load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
+        load_gcum(p, sp.batch, t0, L, h, t.b);
+        load_tile(p.A, sp.batch, t0, L, h, 0, C, t.A, C);
+        if (has(p.do_)) {
+          load_tile(p.do_, sp.batch, t0, L, h, 0, V, t.dout, V);
+        } else {
+          std::memset(t.dout, 0, static_cast<size_t>(L * V) * 4);
+        }
+        copy_from_chunk_state(p, p.dh, first_chunk + c, h, t.dS);
+        chunk_dv(L, K, V, C, t.k, t.b, t.A, t.dout, t.dS, t.dv, t.kl);
+        store_tile(p.dv, sp.batch, t0, L, h, 0, V, t.dv, V);
+      }
+      break;
+    }
+    case GLA_UNIT_BWD_DQK_INTRA: {
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t L = rows(c), t0 = sp.start + c * C;
+        load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
+        load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
+        load_gcum(p, sp.batch, t0, L, h, t.b);
+        load_tile(p.dA, sp.batch, t0, L, h, 0, C, t.dA, C);
+        std::memset(t.dq, 0, static_cast<size_t>(L * K) * 4);
+        std::memset(t.dk, 0, static_cast<size_t>(L * K) * 4);
+        intra_dqk(L, K, C, t.q, t.k, t.b, t.dA, nullptr, t.dq, t.dk, t.dqk);
+        store_tile(p.dq_intra, sp.batch, t0, L, h, 0, K, t.dq, K);
+        store_tile(p.dk_intra, sp.batch, t0, L, h, 0, K, t.dk, K);
+      }
+      break;
+    }
+    case GLA_UNIT_BWD_DQKG: {
+      if (!has(p.dq) && !has(p.dk) && !has(p.dg)) break;
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t L = rows(c), t0 = sp.start + c * C;
+        load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
+        load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
+        load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
+        load_gcum(p, sp.batch, t0, L, h, t.b);
+        if (has(p.do_)) {
+          load_tile(p.do_, sp.batch, t0, L, h, 0, V, t.dout, V);
+        } else {
+          std::memset(t.dout, 0, static_cast<size_t>(L * V) * 4);
+        }
+        copy_from_chunk_state(p, p.h, first_chunk + c, h, t.S);
+        copy_from_chunk_state(p, p.dh, first_chunk + c, h, t.dS);
+        load_tile(p.dq_intra, sp.batch, t0, L, h, 0, K, t.dq, K);
+        load_tile(p.dk_intra, sp.batch, t0, L, h, 0, K, t.dk, K);
+        inter_dqkg(L, K, V, scale, t.q, t.k, t.v, t.b, t.dout, t.S, t.dS, t.dq, t.dk, has(p.dg) ? t.dg : nullptr,
+                   t.inter);
+        if (has(p.dq)) store_tile(p.dq, sp.batch, t0, L, h, 0, K, t.dq, K);
+        if (has(p.dk)) store_tile(p.dk, sp.batch, t0, L, h, 0, K, t.dk, K);
+        if (has(p.dg)) store_dg(p, sp.batch, t0, L, h, t.dg);
+      }
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The table
+// ---------------------------------------------------------------------------------------------
+inline int64_t item_count(const gla_problem& p) {
+  if (p.unit == GLA_UNIT_CHUNK_FWD) return p.N * p.H * value_tiles(p);
+  return p.N * p.H;
+}
+inline size_t scratch_floats(const gla_problem& p) {
+  size_t total = 0;
+  carve(p, nullptr, &total);
+  return total;
+}
+inline void run_item(const gla_problem& p, int64_t item, float* scratch) {
+  size_t total = 0;
+  const Tiles t = carve(p, scratch, &total);
+  if (p.unit == GLA_UNIT_CHUNK_FWD) {
+    run_forward(p, item, t);
+  } else if (p.unit == GLA_UNIT_CHUNK_BWD) {
+    run_backward(p, item, t);
+  } else {
+    run_stage(p, item, t);
+  }
+}
+
+const KernelTable& kernels() {
+  static const KernelTable table{GLA_CPU_ISA_NAME, &item_count, &scratch_floats, &run_item};
+  return table;
+}

@@ -1,0 +1,157 @@
+// The vector layer of the cpu kernels: one type `vf` of W float lanes and the handful of operations
+// the kernels use, selected by the translation unit's compile flags (AVX-512, AVX2+FMA, or portable
+// scalar C++). Included inside a per-ISA namespace by kernels_<isa>.cpp; see cpu_kernels.hpp.
+
+#if defined(__AVX512F__)
+
+using vf = __m512;
+inline constexpr int W = 16;
+// Register tile of the GEMM micro-kernel: 4 rows x 4 vectors = 16 accumulators of 32 zmm registers.
+inline constexpr int kTileRows = 4, kTileVecs = 4;
+inline __mmask16 lane_mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload_n(const float* p, int n) { return _mm512_maskz_loadu_ps(lane_mask(n), p); }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline void vstore_n(float* p, vf x, int n) { _mm512_mask_storeu_ps(p, lane_mask(n), x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+inline vf vclamp_exp_arg(vf x) {
+  // max/min return their second operand when one is NaN, so a NaN gate stays NaN.
+  x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
+  return _mm512_min_ps(_mm512_set1_ps(128.0f), x);
+}
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+// 16-bit loads of n <= W contiguous elements.
+inline void load_f16(const uint16_t* s, float* d, int n) {
+  __m256i h = _mm256_maskz_loadu_epi16(lane_mask(n), s);
+  vstore_n(d, _mm512_cvtph_ps(h), n);
+}
+inline void load_bf16(const uint16_t* s, float* d, int n) {
+  __m256i h = _mm256_maskz_loadu_epi16(lane_mask(n), s);
+  vstore_n(d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)), n);
+}
+#define GLA_CPU_HAVE_VECTOR_16BIT 1
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+using vf = __m256;
+inline constexpr int W = 8;
+// 16 ymm registers: 4 x 2 accumulators + 2 B vectors + 1 broadcast.
+inline constexpr int kTileRows = 4, kTileVecs = 2;
+inline __m256i lane_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload_n(const float* p, int n) { return _mm256_maskload_ps(p, lane_mask(n)); }
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline void vstore_n(float* p, vf x, int n) { _mm256_maskstore_ps(p, lane_mask(n), x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline float vsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vclamp_exp_arg(vf x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);
+  return _mm256_min_ps(_mm256_set1_ps(127.0f), x);
+}
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p * 2^n for integral n in [-127, 127]; n = -127 gives 0 (exponent field 0).
+inline vf vscale2(vf p, vf n) {
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline void load_f16(const uint16_t* s, float* d, int n) {
+  if (n == W) {
+    vstore(d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
+    return;
+  }
+  alignas(16) uint16_t tmp[8] = {};
+  for (int i = 0; i < n; ++i) tmp[i] = s[i];
+  vstore_n(d, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp))), n);
+}
+inline void load_bf16(const uint16_t* s, float* d, int n) {
+  if (n == W) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    vstore(d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    return;
+  }
+  for (int i = 0; i < n; ++i) {
+    uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(d + i, &u, 4);
+  }
+}
+#define GLA_CPU_HAVE_VECTOR_16BIT 1
+
+#else  // portable scalar
+
+using vf = float;
+inline constexpr int W = 1;
+inline constexpr int kTileRows = 4, kTileVecs = 4;
+inline vf vzero() { return 0.0f; }
+inline vf vset(float x) { return x; }
+inline vf vload(const float* p) { return *p; }
+inline vf vload_n(const float* p, int n) { return n > 0 ? *p : 0.0f; }
+inline void vstore(float* p, vf x) { *p = x; }
+inline void vstore_n(float* p, vf x, int n) {
+  if (n > 0) *p = x;
+}
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vsub(vf a, vf b) { return a - b; }
+inline float vsum(vf x) { return x; }
+inline vf vclamp_exp_arg(vf x) { return x; }
+inline vf vround(vf x) { return x; }
+inline vf vscale2(vf p, vf) { return p; }
+
+#endif
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+// 2^x, x <= 0 in every use (SPEC.md section 3), relative error ~2e-7: 2^x = 2^n * 2^f with n the
+// nearest integer and |f| <= 1/2, 2^f by its degree-7 Taylor polynomial in f*ln2.
+inline vf vexp2(vf x) {
+  x = vclamp_exp_arg(x);
+  const vf n = vround(x);
+  const vf f = vsub(x, n);
+  vf p = vset(1.525273380405984e-05f);
+  p = vfma(p, f, vset(1.5403530393381606e-04f));
+  p = vfma(p, f, vset(1.3333558146428443e-03f));
+  p = vfma(p, f, vset(9.618129107628477e-03f));
+  p = vfma(p, f, vset(5.550410866482158e-02f));
+  p = vfma(p, f, vset(2.402265069591007e-01f));
+  p = vfma(p, f, vset(6.931471805599453e-01f));
+  p = vfma(p, f, vset(1.0f));
+  return vscale2(p, n);
+}
+#else
+inline vf vexp2(vf x) { return std::exp2(x); }
+#endif
+
+// Calls body(column, lanes) for the vectors covering [0, n), the last one possibly partial.
+template <class Body>
+inline void for_vectors(int64_t n, Body&& body) {
+  int64_t c = 0;
+  for (; c + W <= n; c += W) body(c, W);
+  if (c < n) body(c, static_cast<int>(n - c));
+}
+inline vf vload_k(const float* p, int lanes) { return lanes == W ? vload(p) : vload_n(p, lanes); }
+inline void vstore_k(float* p, vf x, int lanes) {
+  if (lanes == W) {
+    vstore(p, x);
+  } else {
+    vstore_n(p, x, lanes);
+  }
+}
