@@ -125,7 +125,7 @@ gla_status gla_backend_info(int32_t index, const char** name, int32_t* priority,
     }
     const auto& e = entries[static_cast<size_t>(index)];
     t_info_name = e.backend->name();
-    t_info_reason = e.availability.ok ? (e.enabled ? "" : "disabled") : e.availability.reason;
+    t_info_reason = e.availability.ok ? (e.enabled ? "" : "disabled by " + e.disabled_by) : e.availability.reason;
     if (name) *name = t_info_name.c_str();
     if (priority) *priority = e.backend->priority();
     if (available) *available = e.availability.ok && e.enabled;

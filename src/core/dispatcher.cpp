@@ -92,7 +92,7 @@ gla_problem problem_for_unit(const PreparedProblem& prepared, int32_t unit) {
 std::string decline_reason(const RegistryEntry& entry, const gla_problem& problem, int32_t unit) {
   const Backend& b = *entry.backend;
   if (!entry.availability.ok) return "unavailable: " + entry.availability.reason;
-  if (!entry.enabled) return "disabled (GLA_DISABLE or gla_backend_set_enabled)";
+  if (!entry.enabled) return "disabled by " + entry.disabled_by;
   if (!b.serves_device(problem.device_type)) {
     return std::string("does not serve device ") + device_type_name(problem.device_type);
   }
@@ -240,7 +240,7 @@ std::string verdict_table(const PreparedProblem& prepared, const DispatchControl
     const Backend& b = *e.backend;
     out << "backend '" << b.name() << "' (priority " << b.priority() << "): "
         << (e.availability.ok ? "available" : "unavailable (" + e.availability.reason + ")") << ", "
-        << (e.enabled ? "enabled" : "disabled") << "\n";
+        << (e.enabled ? "enabled" : "disabled by " + e.disabled_by) << "\n";
     for (int32_t u : units) {
       const gla_problem p = problem_for_unit(prepared, u);
       std::string reason = decline_reason(e, p, u);

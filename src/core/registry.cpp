@@ -29,7 +29,6 @@ Registry& Registry::instance() {
   static Registry* registry = [] {
     auto* r = new Registry();
     register_builtin_backends(*r);
-    r->apply_environment();
     return r;
   }();
   return *registry;
@@ -44,7 +43,7 @@ void Registry::add(std::unique_ptr<Backend> backend) {
   auto same = std::find_if(entries_.begin(), entries_.end(),
                            [&](const RegistryEntry& e) { return e.backend->name() == name; });
   if (same != entries_.end()) {
-    entry.enabled = same->enabled;
+    entry.api_enabled = same->api_enabled;
     *same = std::move(entry);
   } else {
     entries_.push_back(std::move(entry));
@@ -68,7 +67,7 @@ bool Registry::set_enabled(const std::string& name, bool enabled) {
   std::unique_lock lock(mutex_);
   for (auto& e : entries_) {
     if (e.backend->name() == name) {
-      e.enabled = enabled;
+      e.api_enabled = enabled;
       return true;
     }
   }
@@ -76,8 +75,21 @@ bool Registry::set_enabled(const std::string& name, bool enabled) {
 }
 
 std::vector<RegistryEntry> Registry::snapshot() const {
-  std::shared_lock lock(mutex_);
-  return entries_;
+  const auto disabled = split_list(std::getenv("GLA_DISABLE"));
+  std::vector<RegistryEntry> out;
+  {
+    std::shared_lock lock(mutex_);
+    out = entries_;
+  }
+  for (auto& e : out) {
+    e.enabled = e.api_enabled;
+    e.disabled_by = e.api_enabled ? "" : "gla_backend_set_enabled";
+    if (std::find(disabled.begin(), disabled.end(), e.backend->name()) != disabled.end()) {
+      e.enabled = false;
+      e.disabled_by = "GLA_DISABLE";
+    }
+  }
+  return out;
 }
 
 std::vector<std::string> Registry::names() const {
@@ -91,14 +103,6 @@ bool Registry::contains(const std::string& name) const {
   std::shared_lock lock(mutex_);
   return std::any_of(entries_.begin(), entries_.end(),
                      [&](const RegistryEntry& e) { return e.backend->name() == name; });
-}
-
-void Registry::apply_environment() {
-  const auto disabled = split_list(std::getenv("GLA_DISABLE"));
-  std::unique_lock lock(mutex_);
-  for (auto& e : entries_) {
-    e.enabled = std::find(disabled.begin(), disabled.end(), e.backend->name()) == disabled.end();
-  }
 }
 
 }  // namespace gla

@@ -14,7 +14,9 @@ namespace gla {
 struct RegistryEntry {
   std::shared_ptr<Backend> backend;
   Verdict availability;  // probed once when added
-  bool enabled = true;
+  bool enabled = true;       // effective: switched on by the API and not named in GLA_DISABLE
+  std::string disabled_by;   // why not enabled ("" when enabled)
+  bool api_enabled = true;   // gla_backend_set_enabled
 };
 
 class Registry {
@@ -26,13 +28,11 @@ class Registry {
   void add(std::unique_ptr<Backend> backend);
   bool remove(const std::string& name);
   bool set_enabled(const std::string& name, bool enabled);
-  // Entries sorted by priority (then name).
+  // Entries sorted by priority (then name), with GLA_DISABLE (read now, so it can change while the
+  // process runs) folded into `enabled`.
   std::vector<RegistryEntry> snapshot() const;
   std::vector<std::string> names() const;
   bool contains(const std::string& name) const;
-
-  // Re-reads GLA_DISABLE (enables every backend first). Used at start and by tests.
-  void apply_environment();
 
  private:
   Registry();
