@@ -1,0 +1,161 @@
+"""The public Python surface: chunk_gla (fla's call), the registry (backends, explain) and backend
+selection (backend, policy, set_backend_enabled)."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _lib, _ops, _tensors
+
+
+def _as_host_offsets(cu_seqlens_cpu) -> Optional[Tensor]:
+    if cu_seqlens_cpu is None or isinstance(cu_seqlens_cpu, Tensor):
+        return cu_seqlens_cpu
+    return torch.tensor(list(cu_seqlens_cpu), dtype=torch.int64)
+
+
+def _default_scale(q: Tensor, scale: Optional[float]) -> float:
+    if scale is not None:
+        return float(scale)
+    K = q.shape[-1] if q.dim() > 0 else 0
+    return K ** -0.5 if K > 0 else 1.0  # K == 0 is rejected by libgla with its own message
+
+
+def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None,
+              initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+              state_v_first: bool = False, cu_seqlens: Optional[Tensor] = None,
+              cu_seqlens_cpu: Optional[Union[Tensor, Sequence[int]]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    r"""Gated linear attention, chunked form; the call of fla's ``chunk_gla``.
+
+    Args:
+        q, k: ``[B, T, H, K]``, float32, float16 or bfloat16 (float64: computed in Python).
+        v: ``[B, T, H, V]``, q's dtype.
+        g: ``[B, T, H, K]`` per-key forget gate in natural-log space (expected <= 0), or ``[B, T, H]``
+            per-head; q's dtype or float32.
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` float32 (``[N, H, V, K]`` with ``state_v_first``).
+        output_final_state: also return the final state (float32, like initial_state).
+        cu_seqlens: ``[N + 1]`` int32/int64 sequence offsets for packed variable-length input (B == 1).
+        cu_seqlens_cpu: a host copy of cu_seqlens; with it nothing synchronises the host.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state or None.
+
+    Differentiable in q, k, v, g and initial_state. Raises ValueError (invalid argument) or TypeError
+    (dtype problems) with libgla's message, RuntimeError otherwise.
+    """
+    o, final = torch.ops.gla.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, _as_host_offsets(cu_seqlens_cpu),
+                                       _default_scale(q, scale), bool(state_v_first), bool(output_final_state),
+                                       _ops.current_backend(), _ops.current_policy())
+    return o, (final if output_final_state else None)
+
+
+# ---- registry ----
+class BackendInfo(NamedTuple):
+    name: str
+    priority: int
+    available: bool  # available on this machine and enabled
+    reason: str  # why not, when not
+
+
+def backends() -> List[BackendInfo]:
+    """Every registered backend in priority order (the `torch` backend included)."""
+    lib = _ops.ensure_loaded()
+    out = []
+    for i in range(lib.gla_backend_count()):
+        name, reason = ctypes.c_char_p(), ctypes.c_char_p()
+        priority, available = ctypes.c_int32(), ctypes.c_int32()
+        _lib.raise_for(lib.gla_backend_info(i, ctypes.byref(name), ctypes.byref(priority), ctypes.byref(available),
+                                            ctypes.byref(reason)))
+        out.append(BackendInfo(name.value.decode(), priority.value, bool(available.value),
+                               (reason.value or b"").decode()))
+    return out
+
+
+def set_backend_enabled(name: str, enabled: bool = True) -> None:
+    """Switches a backend on or off for this process (like GLA_DISABLE)."""
+    lib = _ops.ensure_loaded()
+    _lib.raise_for(lib.gla_backend_set_enabled(name.encode(), int(bool(enabled))))
+
+
+def explain(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None,
+            initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+            state_v_first: bool = False, cu_seqlens: Optional[Tensor] = None,
+            cu_seqlens_cpu: Optional[Union[Tensor, Sequence[int]]] = None, backward: bool = False) -> str:
+    """The dispatcher's verdict table for this input (the same text as `gla explain`): every backend,
+    unit by unit, available / enabled / accepts or declines with the reason, and the decision. Reads
+    metadata only. ``backward=True`` explains the backward operation."""
+    lib = _ops.ensure_loaded()
+    host = _as_host_offsets(cu_seqlens_cpu)
+    d = {name: _tensors.describe(name, t) for name, t in
+         (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens),
+          ("cu_seqlens_host", host))}
+    p = {name: (ctypes.pointer(x) if x is not None else None) for name, x in d.items()}
+    opts = _lib.make_options(_default_scale(q, scale), state_v_first, _ops.current_backend(), _ops.current_policy())
+    text = ctypes.c_char_p()
+    with _tensors.handed_over(q, k, v, g, initial_state, cu_seqlens, host):
+        if backward:
+            args = _lib.BackwardArgs(p["q"], p["k"], p["v"], p["g"], p["initial_state"], p["cu_seqlens"],
+                                     p["cu_seqlens_host"])
+            status = lib.gla_explain(None, ctypes.byref(args), ctypes.byref(opts), ctypes.byref(text))
+        else:
+            final = None
+            if output_final_state:  # metadata only: a descriptor with the right shape and no memory
+                final = _lib.Tensor()
+                final.dtype, final.rank = _lib.F32, 4
+                final.device_type, final.device_index = d["q"].device_type, d["q"].device_index
+                N = (cu_seqlens.shape[0] - 1) if cu_seqlens is not None else q.shape[0]
+                shape = _ops._state_shape(q, v, N, state_v_first)
+                for i, s in enumerate(shape):
+                    final.sizes[i] = s
+                stride = 1
+                for i in reversed(range(len(shape))):
+                    final.strides[i] = stride
+                    stride *= shape[i]
+                final.rank = len(shape)
+            args = _lib.ForwardArgs(p["q"], p["k"], p["v"], p["g"], p["initial_state"], p["cu_seqlens"],
+                                    p["cu_seqlens_host"], None, ctypes.pointer(final) if final is not None else None)
+            status = lib.gla_explain(ctypes.byref(args), None, ctypes.byref(opts), ctypes.byref(text))
+        _lib.raise_for(status)
+    return text.value.decode()
+
+
+# ---- selection: thread-local, captured by each forward for its backward ----
+@contextlib.contextmanager
+def backend(name: Optional[str]):
+    """``with gla.backend("cpu"):`` forces one backend for the calls made in this thread inside the
+    block (their backward included, wherever it runs). ``None`` or ``""`` restores the dispatcher's
+    choice. A unit-level spec such as ``"fwd_h=torch,bwd_dqkg=cpu"`` is passed through as is."""
+    previous = _ops.current_backend()
+    _ops.selection.backend = name or ""
+    try:
+        yield
+    finally:
+        _ops.selection.backend = previous
+
+
+@contextlib.contextmanager
+def policy(name: str):
+    """``with gla.policy("fastest"):`` sets the selection policy for this thread inside the block:
+    "priority", "fastest", "forced" (with gla.backend) or "default" (GLA_POLICY, else priority)."""
+    if name not in _lib.POLICY_NAMES:
+        raise ValueError(f"policy: expected one of {', '.join(_lib.POLICY_NAMES)}, got {name!r}")
+    previous = _ops.current_policy()
+    _ops.selection.policy = _lib.POLICY_NAMES[name]
+    try:
+        yield
+    finally:
+        _ops.selection.policy = previous
+
+
+def library_path() -> str:
+    """Path of the libgla shared library in use."""
+    return _ops.ensure_loaded().path
+
+
+def version() -> str:
+    return _ops.ensure_loaded().gla_version().decode()
