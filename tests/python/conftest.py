@@ -1,0 +1,18 @@
+"""pytest setup for the Python package: finds `gla` in the source tree when it is not installed,
+and registers the `cuda` marker (GPU tests: `pytest tests/python -m cuda`)."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:
+    import gla  # noqa: F401  (an installed package wins)
+except ImportError:
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (skips with a message without one)")
+    config.addinivalue_line("markers", "slow: larger shapes")
