@@ -1,0 +1,72 @@
+// The CUDA backend's forward kernels: parameter struct and host launchers.
+//
+// Framework-free: raw device pointers, element strides, sizes and a stream in; a cudaError_t out.
+// Two kernel families serve the forward (SPEC.md §1-3):
+//   chunk kernel      tensor cores (mma.sync m16n8k16, bf16/fp16), one CTA per (sequence segment,
+//                     head, value tile) walking 64-token chunks with the fp32 state on chip. A long
+//                     sequence is split into segments: pass 1 computes each segment's local state and
+//                     total decay, pass 2 folds the earlier segments into its initial state and runs
+//                     the full chunk walk. K padded to 64/128, V tiled by 64/128.
+//   recurrent kernel  the token loop in fp32 FMA: any dtype (fp32 inputs use it: IEEE fp32), any K up
+//                     to 512. The generic slower path.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace gla::cuda {
+
+enum ElementType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// Strides are in elements. Every tensor's last dimension must be contiguous (checked by verify()).
+struct ForwardParams {
+  // q, k: [B, T, H, K]; v, o: [B, T, H, V]; g: [B, T, H, K] or [B, T, H] (gate_per_head).
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* g;
+  void* o;
+  int64_t q_stride[3], k_stride[3], v_stride[3], g_stride[3], o_stride[3];  // b, t, h
+  // States [N, H, K, V] (or [N, H, V, K] with state_v_first), fp32; null when absent.
+  const float* initial_state;
+  float* final_state;
+  int64_t h0_stride[4], ht_stride[4];
+  int32_t state_v_first;
+  // Sequences: cu_seqlens (device, [N+1], int32 or int64) when varlen, else sequence n = row n.
+  const void* cu_seqlens;
+  int32_t cu_seqlens_int64;
+  int32_t varlen;
+  int64_t B, T, H, K, V, N;
+  float scale;
+  int32_t dtype;       // ElementType of q, k, v, o
+  int32_t gate_dtype;  // ElementType of g
+  int32_t gate_per_head;
+  int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
+};
+
+// How the chunk kernel splits sequences (host-side plan; see plan_forward).
+struct ForwardPlan {
+  int32_t use_chunk_kernel = 0;  // 0: recurrent kernel
+  int32_t head_dim_k = 0;        // 64 or 128 (padded K)
+  int32_t value_tile = 0;        // 64 or 128
+  int32_t value_tiles = 0;
+  int64_t segment_chunks = 0;  // segment length in 64-token chunks
+  int64_t max_segments = 0;    // per sequence (grid size)
+  size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1)
+};
+
+// Plans a forward. seq_offsets: host copy of the N + 1 offsets (per-row 0, T, 2T... without varlen).
+ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int sm_count);
+
+// Queues the forward on `stream`. workspace must hold plan.workspace_bytes (may be null if 0).
+cudaError_t launch_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace,
+                           cudaStream_t stream);
+
+// Individual families (used by launch_forward and the standalone harness).
+cudaError_t launch_chunk_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace,
+                                 cudaStream_t stream);
+cudaError_t launch_recurrent_forward(const ForwardParams& p, int64_t max_len, cudaStream_t stream);
+
+}  // namespace gla::cuda

@@ -1,0 +1,45 @@
+// Host launcher of the chunk kernel for one (DK, BV, element type); instantiated in
+// chunk_forward_d64.cu and chunk_forward_d128.cu so the two compile in parallel.
+#pragma once
+
+#include "backends/cuda/chunk_forward_kernel.cuh"
+
+namespace gla::cuda::detail {
+
+template <int DK, int BV, typename E>
+cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
+  const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
+  const ChunkSmem L = chunk_smem_layout(DK, BV, gate_bytes, p.gate_per_head != 0);
+  auto kernel = chunk_forward_kernel<DK, BV, E>;
+  // Raise the dynamic shared-memory limit once per instantiation and size.
+  static int raised = 0;
+  if (raised < L.total) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
+    if (err != cudaSuccess) return err;
+    raised = L.total;
+  }
+  SegmentArgs sa{};
+  sa.segment_chunks = plan.segment_chunks;
+  sa.max_segments = plan.max_segments;
+  sa.value_tiles = plan.value_tiles;
+  if (plan.max_segments > 1) {
+    sa.seg_states = static_cast<float*>(workspace);
+    const size_t states = size_t(p.N) * plan.max_segments * p.H * size_t(plan.value_tiles) * BV * DK;
+    sa.seg_decay = sa.seg_states + states;
+  }
+  const dim3 grid(static_cast<unsigned>(p.N * plan.max_segments), static_cast<unsigned>(p.H * plan.value_tiles));
+  if (plan.max_segments > 1) {
+    sa.pass = 1;
+    kernel<<<grid, BV * 2, L.total, stream>>>(p, sa);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  sa.pass = 2;
+  kernel<<<grid, BV * 2, L.total, stream>>>(p, sa);
+  return cudaGetLastError();
+}
+
+cudaError_t run_chunk_d64(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream);
+cudaError_t run_chunk_d128(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream);
+
+}  // namespace gla::cuda::detail

@@ -1,0 +1,560 @@
+// The chunked forward on tensor cores (sm_80+: mma.sync m16n8k16, ldmatrix, cp.async).
+//
+// One CTA owns (sequence segment, head, value tile [v0, v0 + BV)) and walks its 64-token chunks in
+// order with the transposed state S^T [BV x DK] in fp32 registers (warp w owns value rows 16w..16w+15).
+// Per chunk, everything stays in shared memory:
+//   1. cp.async brings q, k, v, g of the NEXT chunk into the other stage (double buffer).
+//   2. Element-wise, one thread per (column pair, 16-row sub-chunk): local inclusive cumsum c of
+//      g*log2(e) inside the sub-chunk, its total Tot_i, e = 2^{g log2 e} (in place of g, for the
+//      diagonal blocks), qloc = q 2^{c}, kloc = k 2^{Tot - c}. Every exponent is <= 0.
+//   3. A (64x64, bf16, zero above the diagonal):
+//        off-diagonal 16x16 blocks (i > j) on tensor cores, pivoted at the last row of sub-chunk
+//        i-1: A_ij = (qloc_i * 2^{sum_{j<l<i} Tot_l}) kloc_j^T -- factors all <= 1;
+//        diagonal blocks element-wise with running products of e (no exp per pair, no 0*inf).
+//   4. qg = qloc * 2^{sum_{l<i} Tot_l} (= q 2^{b}), kg = kloc * 2^{sum_{l>i} Tot_l} (= k 2^{b_last-b}).
+//   5. o^T = S^T qg^T + V^T A^T (tensor cores), then S^T = S^T 2^{b_last} + V^T kg.
+// Pass 1 (segment split) runs steps 1, 2, 4 (k side) and the state update from a zero state and
+// stores the segment's local state and total decay; pass 2 starts from the folded state.
+#pragma once
+
+#include "backends/cuda/device_utils.cuh"
+
+namespace gla::cuda::detail {
+
+constexpr int kChunk = 64;
+
+struct SegmentArgs {
+  int64_t segment_chunks;  // chunks per segment
+  int64_t max_segments;
+  int32_t value_tiles;
+  int32_t pass;            // 1: local states only; 2: full forward
+  float* seg_states;       // [N, max_segments, H, value_tiles * BV, DK]
+  float* seg_decay;        // [N, max_segments, H, DK] total log2 decay of each segment
+};
+
+// Shared-memory layout (bytes), computed identically on host and device.
+struct ChunkSmem {
+  int pq, pv, pa, pg;  // pitches in elements
+  int q, k, v, g;      // offsets inside one stage
+  int stage_bytes;
+  int qw, kw, a, tot, dfac, dsum;  // offsets after the two stages
+  int total;
+};
+__host__ __device__ inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool per_head) {
+  ChunkSmem s{};
+  s.pq = dk + 8;
+  s.pv = bv + 8;
+  s.pa = kChunk + 8;
+  s.pg = dk + 8;
+  s.q = 0;
+  s.k = s.q + kChunk * s.pq * 2;
+  s.v = s.k + kChunk * s.pq * 2;
+  s.g = s.v + kChunk * s.pv * 2;
+  // Per-head gate: 64 raw gates, then 64 fp32 e values.
+  int gbytes = per_head ? kChunk * 4 * 2 : kChunk * s.pg * gate_bytes;
+  s.stage_bytes = s.g + gbytes;
+  s.qw = 2 * s.stage_bytes;
+  s.kw = s.qw + kChunk * s.pq * 2;
+  s.a = s.kw + kChunk * s.pq * 2;
+  s.tot = s.a + kChunk * s.pa * 2;
+  s.dfac = s.tot + 4 * dk * 4;
+  s.dsum = s.dfac + dk * 4;
+  s.total = s.dsum + dk * 4;
+  return s;
+}
+
+template <int DK, int BV, typename E>
+__global__ void __launch_bounds__(BV * 2, 1)
+chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
+  using X = Elem<E>;
+  constexpr int NW = BV / 16;
+  constexpr int NT = NW * 32;
+  constexpr int NKT = DK / 8;  // n8 tiles of the state along K
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t n = blockIdx.x / sa.max_segments;
+  const int64_t m = blockIdx.x % sa.max_segments;
+  const int64_t h = blockIdx.y / sa.value_tiles;
+  const int vt = blockIdx.y % sa.value_tiles;
+  const int64_t v0 = int64_t(vt) * BV;
+  const bool full = sa.pass == 2;
+
+  const SeqSpan seq = sequence_span(p, n);
+  const int64_t nchunks = (seq.len + kChunk - 1) / kChunk;
+  const int64_t nseg = nchunks == 0 ? 1 : (nchunks + sa.segment_chunks - 1) / sa.segment_chunks;
+  if (m >= nseg) return;
+  if (!full && m >= nseg - 1) return;  // pass 1: the last segment needs no local state
+  const int64_t c_begin = m * sa.segment_chunks;
+  const int64_t c_end = gla_min64(nchunks, c_begin + sa.segment_chunks);
+  const int64_t seg_index = (n * sa.max_segments + m) * p.H + h;
+
+  const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
+  const bool per_head = p.gate_per_head != 0;
+  const ChunkSmem L = chunk_smem_layout(DK, BV, gate_bytes, per_head);
+  uint16_t* qw = reinterpret_cast<uint16_t*>(smem + L.qw);
+  uint16_t* kw = reinterpret_cast<uint16_t*>(smem + L.kw);
+  uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a);
+  float* tot = reinterpret_cast<float*>(smem + L.tot);
+  float* dfac = reinterpret_cast<float*>(smem + L.dfac);
+  float* dsum = reinterpret_cast<float*>(smem + L.dsum);
+
+  // Zero A once: blocks above the diagonal and the strict upper part of the diagonal blocks beyond
+  // each warp's row group are never written again. dsum starts at 0.
+  for (int i = tid; i < kChunk * L.pa / 2; i += NT) reinterpret_cast<uint32_t*>(As)[i] = 0u;
+  for (int i = tid; i < DK; i += NT) dsum[i] = 0.f;
+
+  // ---- loads of one chunk into a stage ----
+  const size_t esz = 2;
+  auto issue_loads = [&](int64_t chunk, int stage) {
+    unsigned char* st = smem + stage * L.stage_bytes;
+    const int64_t t0 = seq.bos + chunk * kChunk;
+    const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
+    const char* qb = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + t0 * p.q_stride[1] + h * p.q_stride[2]) * esz;
+    const char* kb = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + t0 * p.k_stride[1] + h * p.k_stride[2]) * esz;
+    const char* vb = static_cast<const char*>(p.v) + (seq.batch * p.v_stride[0] + t0 * p.v_stride[1] + h * p.v_stride[2] + v0) * esz;
+    const char* gb = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + t0 * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
+    if (p.vector_loads) {
+      constexpr int CPR = DK / 8;  // 16-byte pieces per q/k row
+      for (int i = tid; i < kChunk * CPR; i += NT) {
+        const int r = i / CPR, c = i % CPR;
+        const bool ok = r < rows && c * 8 < p.K;
+        if (full) cp_async16(st + L.q + (r * L.pq + c * 8) * 2, ok ? qb + (r * p.q_stride[1] + c * 8) * esz : qb, ok);
+        cp_async16(st + L.k + (r * L.pq + c * 8) * 2, ok ? kb + (r * p.k_stride[1] + c * 8) * esz : kb, ok);
+      }
+      constexpr int VPR = BV / 8;
+      for (int i = tid; i < kChunk * VPR; i += NT) {
+        const int r = i / VPR, c = i % VPR;
+        const bool ok = r < rows && v0 + c * 8 < p.V;
+        cp_async16(st + L.v + (r * L.pv + c * 8) * 2, ok ? vb + (r * p.v_stride[1] + c * 8) * esz : vb, ok);
+      }
+      if (!per_head) {
+        const int gpr = DK * gate_bytes / 16;
+        const int gper = 16 / gate_bytes;
+        for (int i = tid; i < kChunk * gpr; i += NT) {
+          const int r = i / gpr, c = i % gpr;
+          const bool ok = r < rows && c * gper < p.K;
+          cp_async16(st + L.g + (r * L.pg + c * gper) * gate_bytes,
+                     ok ? gb + (r * p.g_stride[1] + c * gper) * gate_bytes : gb, ok);
+        }
+      }
+    } else {
+      // Element-wise path for K or V that are not multiples of 8 or unaligned rows: synchronous.
+      for (int i = tid; i < kChunk * DK; i += NT) {
+        const int r = i / DK, c = i % DK;
+        const bool ok = r < rows && c < p.K;
+        uint16_t* qd = reinterpret_cast<uint16_t*>(st + L.q) + r * L.pq + c;
+        uint16_t* kd = reinterpret_cast<uint16_t*>(st + L.k) + r * L.pq + c;
+        if (full) *qd = ok ? reinterpret_cast<const uint16_t*>(qb)[r * p.q_stride[1] + c] : uint16_t(0);
+        *kd = ok ? reinterpret_cast<const uint16_t*>(kb)[r * p.k_stride[1] + c] : uint16_t(0);
+        if (!per_head) {
+          if (gate_bytes == 4) {
+            reinterpret_cast<float*>(st + L.g)[r * L.pg + c] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1] + c] : 0.f;
+          } else {
+            reinterpret_cast<uint16_t*>(st + L.g)[r * L.pg + c] = ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1] + c] : uint16_t(0);
+          }
+        }
+      }
+      for (int i = tid; i < kChunk * BV; i += NT) {
+        const int r = i / BV, c = i % BV;
+        const bool ok = r < rows && v0 + c < p.V;
+        reinterpret_cast<uint16_t*>(st + L.v)[r * L.pv + c] = ok ? reinterpret_cast<const uint16_t*>(vb)[r * p.v_stride[1] + c] : uint16_t(0);
+      }
+    }
+    if (per_head) {
+      for (int r = tid; r < kChunk; r += NT) {
+        const bool ok = r < rows;
+        if (gate_bytes == 4) {
+          reinterpret_cast<float*>(st + L.g)[r] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1]] : 0.f;
+        } else {
+          reinterpret_cast<uint16_t*>(st + L.g)[r] = ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1]] : uint16_t(0);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  // ---- initial state into registers: S[j][0..3] = C fragment of n8 tile j of S^T ----
+  const int fr = lane >> 2, fc = (lane & 3) * 2;  // fragment row / column
+  const int vrow = warp * 16;                      // this warp's value rows inside the tile
+  float S[NKT][4];
+  {
+    const bool have_h0 = full && p.initial_state != nullptr;
+#pragma unroll
+    for (int j = 0; j < NKT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int vv = vrow + fr + (e >> 1) * 8;
+        const int kk = j * 8 + fc + (e & 1);
+        float x = 0.f;
+        if (have_h0 && kk < p.K && v0 + vv < p.V) {
+          x = p.initial_state[state_index(p.h0_stride, p.state_v_first, n, h, kk, v0 + vv)];
+        }
+        if (full) {
+          // Fold in the local states of the earlier segments (pass 1 wrote them).
+          for (int64_t s = 0; s < m; ++s) {
+            const int64_t si = (n * sa.max_segments + s) * p.H + h;
+            const float d = sa.seg_decay[si * DK + kk];
+            const float loc = sa.seg_states[(si * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk];
+            x = fast_exp2(d) * x + loc;
+          }
+        }
+        S[j][e] = x;
+      }
+    }
+  }
+
+  if (c_begin < c_end) issue_loads(c_begin, 0);
+
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    const int stage = static_cast<int>((c - c_begin) & 1);
+    unsigned char* st = smem + stage * L.stage_bytes;
+    uint16_t* qs = reinterpret_cast<uint16_t*>(st + L.q);
+    uint16_t* ks = reinterpret_cast<uint16_t*>(st + L.k);
+    uint16_t* vs = reinterpret_cast<uint16_t*>(st + L.v);
+    unsigned char* gs = st + L.g;
+    const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
+
+    cp_async_wait_all();
+    __syncthreads();
+    if (c + 1 < c_end) issue_loads(c + 1, stage ^ 1);
+
+    // ---- 2. element-wise: cumsum, e, qloc, kloc ----
+    for (int item = tid; item < (DK / 2) * 4; item += NT) {
+      const int cp = item % (DK / 2), sub = item / (DK / 2);
+      const int k0 = cp * 2;
+      float cs0[16], cs1[16];
+      float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int t = sub * 16 + r;
+        float g0, g1;
+        if (per_head) {
+          g0 = g1 = gate_bytes == 4 ? reinterpret_cast<float*>(gs)[t]
+                                    : X::to_float(reinterpret_cast<uint16_t*>(gs)[t]);
+        } else if (gate_bytes == 4) {
+          float2 gv = *reinterpret_cast<float2*>(gs + (t * L.pg + k0) * 4);
+          g0 = gv.x;
+          g1 = gv.y;
+        } else {
+          float2 gv = X::to_float2(*reinterpret_cast<uint32_t*>(gs + (t * L.pg + k0) * 2));
+          g0 = gv.x;
+          g1 = gv.y;
+        }
+        g0 *= kLog2e;
+        g1 *= kLog2e;
+        a0 += g0;
+        a1 += g1;
+        cs0[r] = a0;
+        cs1[r] = a1;
+        if (full) {
+          // e = 2^{g log2 e} for the diagonal blocks, stored over the gate (16-bit gate: fp16).
+          const float e0 = fast_exp2(g0), e1 = fast_exp2(g1);
+          if (per_head) {
+            if (cp == 0) reinterpret_cast<float*>(gs + kChunk * 4)[t] = e0;
+          } else if (gate_bytes == 4) {
+            *reinterpret_cast<float2*>(gs + (t * L.pg + k0) * 4) = make_float2(e0, e1);
+          } else {
+            __half2 eh = __floats2half2_rn(e0, e1);
+            *reinterpret_cast<__half2*>(gs + (t * L.pg + k0) * 2) = eh;
+          }
+        }
+      }
+      tot[sub * DK + k0] = a0;
+      tot[sub * DK + k0 + 1] = a1;
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int t = sub * 16 + r;
+        if (full) {
+          float2 qv = X::to_float2(*reinterpret_cast<uint32_t*>(qs + t * L.pq + k0));
+          *reinterpret_cast<uint32_t*>(qw + t * L.pq + k0) =
+              X::pack(qv.x * fast_exp2(cs0[r]), qv.y * fast_exp2(cs1[r]));
+        }
+        float2 kv = X::to_float2(*reinterpret_cast<uint32_t*>(ks + t * L.pq + k0));
+        *reinterpret_cast<uint32_t*>(kw + t * L.pq + k0) =
+            X::pack(kv.x * fast_exp2(a0 - cs0[r]), kv.y * fast_exp2(a1 - cs1[r]));
+      }
+    }
+    __syncthreads();
+
+    // ---- 3. the intra-chunk matrix A ----
+    if (full) {
+      // Off-diagonal blocks (i, j), i > j, on tensor cores.
+      constexpr int kBlocks = 6;
+      const int bi[kBlocks] = {1, 2, 3, 2, 3, 3};
+      const int bj[kBlocks] = {0, 1, 2, 0, 1, 0};
+      for (int blk = warp; blk < kBlocks; blk += NW) {
+        const int i = bi[blk], j = bj[blk];
+        float acc[2][4] = {};
+        const int mi = lane >> 3;
+        const int arow = i * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
+        const int brow = j * 16 + (lane & 7) + (mi >> 1) * 8, bcol = (mi & 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < DK / 16; ++kk) {
+          uint32_t a[4], b[4];
+          ldsm_x4(a, qw + arow * L.pq + kk * 16 + acol);
+          ldsm_x4(b, kw + brow * L.pq + kk * 16 + bcol);
+          if (i - j > 1) {
+            // Fold 2^{sum_{j<l<i} Tot_l} (<= 1) into the query fragment.
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int kcol = kk * 16 + half * 8 + fc;
+              float f0 = 0.f, f1 = 0.f;
+              for (int l = j + 1; l < i; ++l) {
+                f0 += tot[l * DK + kcol];
+                f1 += tot[l * DK + kcol + 1];
+              }
+              f0 = fast_exp2(f0);
+              f1 = fast_exp2(f1);
+              float2 x0 = X::to_float2(a[half * 2]), x1 = X::to_float2(a[half * 2 + 1]);
+              a[half * 2] = X::pack(x0.x * f0, x0.y * f1);
+              a[half * 2 + 1] = X::pack(x1.x * f0, x1.y * f1);
+            }
+          }
+          X::mma(acc[0], a, b[0], b[1]);
+          X::mma(acc[1], a, b[2], b[3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int row = i * 16 + fr, col = j * 16 + nt * 8 + fc;
+          *reinterpret_cast<uint32_t*>(As + row * L.pa + col) = X::pack(acc[nt][0], acc[nt][1]);
+          *reinterpret_cast<uint32_t*>(As + (row + 8) * L.pa + col) = X::pack(acc[nt][2], acc[nt][3]);
+        }
+      }
+
+      // Diagonal blocks, element-wise: lanes (rr, ks) = (row in a group of 4, K slice of DK/8).
+      constexpr int SL = DK / 8;
+      constexpr int RPW = kChunk / NW;  // rows per warp
+      const int rr = lane >> 3, ksl = (lane & 7) * SL;
+      for (int pass = 0; pass < RPW / 4; ++pass) {
+        const int tgroup = warp * RPW + pass * 4;
+        const int t = tgroup + rr;
+        const int sub0 = (t >> 4) * 16;
+        float qwv[SL];
+#pragma unroll
+        for (int x = 0; x < SL; x += 8) {
+          uint4 raw = *reinterpret_cast<const uint4*>(qs + t * L.pq + ksl + x);
+          const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw);
+#pragma unroll
+          for (int y = 0; y < 4; ++y) {
+            float2 f = X::to_float2(w[y]);
+            qwv[x + 2 * y] = f.x;
+            qwv[x + 2 * y + 1] = f.y;
+          }
+        }
+        for (int s = tgroup + 3; s >= sub0; --s) {
+          if (s < t) {
+            // qwv *= e_{s+1}: extends the decay product 2^{b_t - b_s} by one step.
+            const int u = s + 1;
+            if (per_head) {
+              const float ev = reinterpret_cast<const float*>(gs + kChunk * 4)[u];
+#pragma unroll
+              for (int x = 0; x < SL; ++x) qwv[x] *= ev;
+            } else if (gate_bytes == 4) {
+#pragma unroll
+              for (int x = 0; x < SL; x += 4) {
+                float4 ev = *reinterpret_cast<const float4*>(gs + (u * L.pg + ksl + x) * 4);
+                qwv[x] *= ev.x;
+                qwv[x + 1] *= ev.y;
+                qwv[x + 2] *= ev.z;
+                qwv[x + 3] *= ev.w;
+              }
+            } else {
+#pragma unroll
+              for (int x = 0; x < SL; x += 8) {
+                uint4 raw = *reinterpret_cast<const uint4*>(gs + (u * L.pg + ksl + x) * 2);
+                const __half2* hv = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+                for (int y = 0; y < 4; ++y) {
+                  float2 f = __half22float2(hv[y]);
+                  qwv[x + 2 * y] *= f.x;
+                  qwv[x + 2 * y + 1] *= f.y;
+                }
+              }
+            }
+          }
+          float part = 0.f;
+#pragma unroll
+          for (int x = 0; x < SL; x += 8) {
+            uint4 raw = *reinterpret_cast<const uint4*>(ks + s * L.pq + ksl + x);
+            const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw);
+#pragma unroll
+            for (int y = 0; y < 4; ++y) {
+              float2 f = X::to_float2(w[y]);
+              part = fmaf(qwv[x + 2 * y], f.x, part);
+              part = fmaf(qwv[x + 2 * y + 1], f.y, part);
+            }
+          }
+          part += __shfl_xor_sync(0xffffffffu, part, 1);
+          part += __shfl_xor_sync(0xffffffffu, part, 2);
+          part += __shfl_xor_sync(0xffffffffu, part, 4);
+          if ((lane & 7) == 0) As[t * L.pa + s] = X::from_float(s <= t ? part : 0.f);
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- 4. qg = qloc 2^{Pre_i}, kg = kloc 2^{Post_i}; the chunk's decay 2^{b_last} ----
+    for (int item = tid; item < (DK / 2) * 4; item += NT) {
+      const int cp = item % (DK / 2), sub = item / (DK / 2);
+      const int k0 = cp * 2;
+      float pre0 = 0.f, pre1 = 0.f, post0 = 0.f, post1 = 0.f;
+#pragma unroll
+      for (int l = 0; l < 4; ++l) {
+        const float t0 = tot[l * DK + k0], t1 = tot[l * DK + k0 + 1];
+        if (l < sub) { pre0 += t0; pre1 += t1; }
+        if (l > sub) { post0 += t0; post1 += t1; }
+      }
+      if (sub == 0) {
+        const float d0 = post0 + tot[k0], d1 = post1 + tot[k0 + 1];
+        dfac[k0] = fast_exp2(d0);
+        dfac[k0 + 1] = fast_exp2(d1);
+        if (!full) {
+          dsum[k0] += d0;
+          dsum[k0 + 1] += d1;
+        }
+      }
+      const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
+      const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int t = sub * 16 + r;
+        if (full && sub > 0) {
+          uint32_t* qp = reinterpret_cast<uint32_t*>(qw + t * L.pq + k0);
+          float2 x = X::to_float2(*qp);
+          *qp = X::pack(x.x * fq0, x.y * fq1);
+        }
+        if (sub < 3) {
+          uint32_t* kp = reinterpret_cast<uint32_t*>(kw + t * L.pq + k0);
+          float2 x = X::to_float2(*kp);
+          *kp = X::pack(x.x * fk0, x.y * fk1);
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- 5. tensor-core phase: o^T = S^T qg^T + V^T A^T ; S^T = S^T 2^{b_last} + V^T kg ----
+    const int mi = lane >> 3;
+    uint32_t vf[4][4];  // V^T fragments (M = value rows of this warp, K = tokens)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      ldsm_x4_trans(vf[kk], vs + (kk * 16 + (lane & 7) + (mi >> 1) * 8) * L.pv + vrow + (mi & 1) * 8);
+    }
+    if (full) {
+      float acc[8][4] = {};
+      const int nrow = (lane & 7) + (mi >> 1) * 8, ncol = (mi & 1) * 8;
+#pragma unroll
+      for (int kk = 0; kk < DK / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = X::pack(S[2 * kk][0], S[2 * kk][1]);
+        a[1] = X::pack(S[2 * kk][2], S[2 * kk][3]);
+        a[2] = X::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+        a[3] = X::pack(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+#pragma unroll
+        for (int nt2 = 0; nt2 < 4; ++nt2) {
+          uint32_t b[4];
+          ldsm_x4(b, qw + (nt2 * 16 + nrow) * L.pq + kk * 16 + ncol);
+          X::mma(acc[2 * nt2], a, b[0], b[1]);
+          X::mma(acc[2 * nt2 + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int nt2 = 0; nt2 < 4; ++nt2) {
+          if (kk > nt2) continue;  // A is zero above the diagonal
+          uint32_t b[4];
+          ldsm_x4(b, As + (nt2 * 16 + nrow) * L.pa + kk * 16 + ncol);
+          X::mma(acc[2 * nt2], vf[kk], b[0], b[1]);
+          X::mma(acc[2 * nt2 + 1], vf[kk], b[2], b[3]);
+        }
+      }
+      // o^T -> shared (over this stage's q, dead now) as [t][v].
+      const float sc = p.scale;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int t = nt * 8 + fc;
+        const int vv = vrow + fr;
+        qs[t * L.pq + vv] = X::from_float(acc[nt][0] * sc);
+        qs[(t + 1) * L.pq + vv] = X::from_float(acc[nt][1] * sc);
+        qs[t * L.pq + vv + 8] = X::from_float(acc[nt][2] * sc);
+        qs[(t + 1) * L.pq + vv + 8] = X::from_float(acc[nt][3] * sc);
+      }
+    }
+    // State update.
+#pragma unroll
+    for (int j = 0; j < NKT; ++j) {
+      const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
+      S[j][0] *= d0;
+      S[j][1] *= d1;
+      S[j][2] *= d0;
+      S[j][3] *= d1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int nt2 = 0; nt2 < DK / 16; ++nt2) {
+        uint32_t b[4];
+        ldsm_x4_trans(b, kw + (kk * 16 + (lane & 7) + (mi & 1) * 8) * L.pq + nt2 * 16 + (mi >> 1) * 8);
+        X::mma(S[2 * nt2], vf[kk], b[0], b[1]);
+        X::mma(S[2 * nt2 + 1], vf[kk], b[2], b[3]);
+      }
+    }
+    if (full) {
+      __syncthreads();
+      // o rows of this chunk: shared -> global.
+      const int64_t t0 = seq.bos + c * kChunk;
+      char* ob = static_cast<char*>(p.o) + (seq.batch * p.o_stride[0] + t0 * p.o_stride[1] + h * p.o_stride[2] + v0) * esz;
+      if (p.vector_loads) {
+        constexpr int VPR = BV / 8;
+        for (int i = tid; i < kChunk * VPR; i += NT) {
+          const int r = i / VPR, cc = i % VPR;
+          if (r < rows && v0 + cc * 8 < p.V) {
+            *reinterpret_cast<uint4*>(ob + (r * p.o_stride[1] + cc * 8) * esz) =
+                *reinterpret_cast<const uint4*>(qs + r * L.pq + cc * 8);
+          }
+        }
+      } else {
+        for (int i = tid; i < kChunk * BV; i += NT) {
+          const int r = i / BV, cc = i % BV;
+          if (r < rows && v0 + cc < p.V) {
+            reinterpret_cast<uint16_t*>(ob)[r * p.o_stride[1] + cc] = qs[r * L.pq + cc];
+          }
+        }
+      }
+    }
+  }
+
+  // ---- the state out ----
+  if (full) {
+    if (m == nseg - 1 && p.final_state != nullptr) {
+#pragma unroll
+      for (int j = 0; j < NKT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int vv = vrow + fr + (e >> 1) * 8;
+          const int kk = j * 8 + fc + (e & 1);
+          if (kk < p.K && v0 + vv < p.V) {
+            p.final_state[state_index(p.ht_stride, p.state_v_first, n, h, kk, v0 + vv)] = S[j][e];
+          }
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NKT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int vv = vrow + fr + (e >> 1) * 8;
+        const int kk = j * 8 + fc + (e & 1);
+        sa.seg_states[(seg_index * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk] = S[j][e];
+      }
+    }
+    if (vt == 0) {
+      __syncthreads();
+      for (int i = tid; i < DK; i += NT) sa.seg_decay[seg_index * DK + i] = dsum[i];
+    }
+  }
+}
+
+}  // namespace gla::cuda::detail
