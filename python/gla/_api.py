@@ -48,6 +48,10 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float]
     Differentiable in q, k, v, g and initial_state. Raises ValueError (invalid argument) or TypeError
     (dtype problems) with libgla's message, RuntimeError otherwise.
     """
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     o, final = torch.ops.gla.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, _as_host_offsets(cu_seqlens_cpu),
                                        _default_scale(q, scale), bool(state_v_first), bool(output_final_state),
                                        _ops.current_backend(), _ops.current_policy())
