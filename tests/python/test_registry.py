@@ -1,0 +1,180 @@
+"""The registry from Python: backends(), explain(), gla.backend() / gla.policy() selection, the
+`torch` backend's place in the native registry, and the descriptor <-> tensor bridge."""
+import threading
+
+import pytest
+import torch
+
+import gla
+from gla import _chunked, _lib, _tensors
+from oracle import make_inputs, rel, run_gla
+
+X = make_inputs(B=2, T=70, H=2, K=16, seed=5)
+
+
+def test_backends_lists_torch_and_reference():
+    infos = gla.backends()
+    names = [b.name for b in infos]
+    assert "reference" in names and "torch" in names
+    torch_info = infos[names.index("torch")]
+    assert torch_info.priority == 80 and torch_info.available and torch_info.reason == ""
+    assert [b.priority for b in infos] == sorted(b.priority for b in infos)
+    assert gla.library_path().endswith((".so", ".dylib", ".dll"))
+    assert gla.version()
+
+
+def test_explain_forward_and_backward():
+    text = gla.explain(X["q"], X["k"], X["v"], X["g"], initial_state=X["initial_state"], output_final_state=True)
+    assert text.startswith("problem: chunk_fwd B=2 T=70 H=2 K=16 V=16 N=2")
+    assert "+initial_state +final_state" in text
+    assert "backend 'torch' (priority 80): available, enabled" in text
+    assert "decision:" in text
+    text = gla.explain(X["q"], X["k"], X["v"], X["g"], backward=True)
+    assert text.startswith("problem: chunk_bwd")
+    assert "bwd_dqkg" in text
+
+
+def test_explain_shows_forced_backend_and_policy():
+    with gla.backend("torch"):
+        text = gla.explain(X["q"], X["k"], X["v"], X["g"])
+    assert "forced backend 'torch'" in text
+    assert text.rstrip().endswith("decision: torch (whole operation)")
+    with gla.policy("fastest"):
+        assert "policy: fastest" in gla.explain(X["q"], X["k"], X["v"], X["g"])
+
+
+def test_explain_varlen():
+    x = make_inputs(B=1, T=40, H=2, K=8, cu_seqlens=[0, 10, 40])
+    text = gla.explain(x["q"], x["k"], x["v"], x["g"], initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"],
+                       output_final_state=True)
+    assert "N=2 varlen" in text
+
+
+def test_explain_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"^k:"):
+        gla.explain(X["q"], X["k"][:, :3], X["v"], X["g"])
+
+
+def _counting(monkeypatch):
+    calls = []
+    for fn in ("chunk_forward", "chunk_backward"):
+        original = getattr(_chunked, fn)
+
+        def wrapper(*a, _original=original, _fn=fn, **kw):
+            calls.append(_fn)
+            return _original(*a, **kw)
+
+        monkeypatch.setattr(_chunked, fn, wrapper)
+    return calls
+
+
+def test_forced_torch_backend_serves_forward_and_backward(monkeypatch):
+    calls = _counting(monkeypatch)
+    got = run_gla(X, backend="torch")
+    assert calls == ["chunk_forward", "chunk_backward"]
+    calls.clear()
+    ref = run_gla(X, backend="reference")
+    assert calls == []
+    for a, b in zip(got, ref):
+        assert rel(a, b) < 1e-5
+
+
+def test_backward_keeps_the_forward_selection_outside_the_block(monkeypatch):
+    calls = _counting(monkeypatch)
+    leaves = [X[n].clone().requires_grad_() for n in ("q", "k", "v", "g")]
+    with gla.backend("torch"):
+        o, _ = gla.chunk_gla(*leaves)
+    o.sum().backward()  # outside the block: still the torch backend
+    assert calls == ["chunk_forward", "chunk_backward"]
+
+
+def test_torch_backend_is_chosen_when_native_backends_are_off(monkeypatch):
+    calls = _counting(monkeypatch)
+    natives = [b.name for b in gla.backends() if b.name != "torch" and b.available]
+    for name in natives:
+        gla.set_backend_enabled(name, False)
+    try:
+        text = gla.explain(X["q"], X["k"], X["v"], X["g"])
+        assert text.rstrip().endswith("decision: torch (whole operation)")
+        run_gla(X)
+        assert calls == ["chunk_forward", "chunk_backward"]
+        assert not [b for b in gla.backends() if b.name in natives and b.available]
+    finally:
+        for name in natives:
+            gla.set_backend_enabled(name, True)
+
+
+def test_selection_is_thread_local():
+    seen = {}
+
+    def other():
+        seen["backend"] = gla._ops.current_backend()
+
+    with gla.backend("torch"):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert gla._ops.current_backend() == "torch"
+    assert seen["backend"] == ""
+    assert gla._ops.current_backend() == ""
+
+
+def test_nested_selection_restores():
+    with gla.backend("torch"):
+        with gla.backend("reference"):
+            assert gla._ops.current_backend() == "reference"
+        assert gla._ops.current_backend() == "torch"
+        with gla.backend(None):
+            assert gla._ops.current_backend() == ""
+    with gla.policy("priority"):
+        assert gla._ops.current_policy() == _lib.POLICY_PRIORITY
+    assert gla._ops.current_policy() == _lib.POLICY_DEFAULT
+
+
+def test_policy_fastest_and_priority_compute_the_same():
+    base = run_gla(X)
+    for name in ("priority", "fastest", "default"):
+        with gla.policy(name):
+            got = run_gla(X)
+        for a, b in zip(got, base):
+            assert rel(a, b) < 1e-6
+
+
+def test_unit_level_backend_spec_mixes_backends():
+    """A per-unit spec passes through to the dispatcher: the forward's stages from one backend."""
+    with gla.backend("fwd_h=reference"):
+        text = gla.explain(X["q"], X["k"], X["v"], X["g"])
+    assert "fwd_h forced to 'reference'" in text
+    with gla.backend("fwd_h=reference"):
+        got = run_gla(X)
+    for a, b in zip(got, run_gla(X, backend="reference")):
+        assert rel(a, b) < 1e-5
+
+
+def test_descriptor_round_trip_and_dlpack_fallback():
+    t = torch.randn(3, 5, 4)[:, 1:4]  # a strided view
+    d = _tensors.describe("t", t)
+    assert d.rank == 3 and list(d.sizes)[:3] == [3, 3, 4] and list(d.strides)[:3] == [20, 4, 1]
+    with _tensors.handed_over(t):
+        same = _tensors.to_torch(d)
+    assert same.data_ptr() == t.data_ptr() and torch.equal(same, t)
+    wrapped = _tensors.to_torch(d)  # nothing handed over: the DLPack path
+    assert wrapped.data_ptr() == t.data_ptr() and wrapped.stride() == t.stride() and torch.equal(wrapped, t)
+    wrapped.fill_(1.5)
+    assert (t == 1.5).all()
+    del wrapped  # PyTorch calls our deleter; the keep-alive table empties
+    import gc
+    gc.collect()
+    assert not _tensors._alive
+    for dtype in (torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64):
+        x = torch.arange(6).to(dtype)
+        assert torch.equal(_tensors.to_torch(_tensors.describe("x", x)), x)
+
+
+def test_torch_backend_reregistration_is_harmless():
+    from gla import torch_backend
+    torch_backend.unregister()
+    assert "torch" not in [b.name for b in gla.backends()]
+    torch_backend.register()
+    assert "torch" in [b.name for b in gla.backends()]
+    run_gla(X, backend="torch")
