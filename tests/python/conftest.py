@@ -16,3 +16,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (skips with a message without one)")
     config.addinivalue_line("markers", "slow: larger shapes")
+
+
+def pytest_report_header(config):
+    import torch
+
+    if torch.cuda.is_available():
+        return f"gla: CUDA device {torch.cuda.get_device_name(0)}: GPU tests (marker cuda) run"
+    return "gla: no CUDA device: GPU tests (marker cuda) skip; run `pytest tests/python -m cuda` on an NVIDIA GPU"

@@ -1,0 +1,183 @@
+"""GPU tests (marker `cuda`; every test name contains "cuda"). Run on an NVIDIA GPU with
+
+    pytest tests/python -m cuda -rs
+
+Without a CUDA device they skip with that message. They check the `torch` backend on CUDA tensors
+against the `reference` backend (on CPU copies), the default dispatch on CUDA, no host
+synchronisation with cu_seqlens_cpu, CUDA-graph capture and replay of forward + backward, opcheck
+and torch.compile on CUDA.
+"""
+import pytest
+import torch
+
+import gla
+from oracle import NAMES, make_inputs, rel, run_gla
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="no CUDA device: GPU tests need an NVIDIA GPU (run `pytest tests/python -m cuda` on one)"),
+]
+
+CASES = {
+    "2x300x4x64-n1": dict(B=2, T=300, H=4, K=64, n=1),
+    "2x1024x8x128-n0.1": dict(B=2, T=1024, H=8, K=128, n=0.1),
+    "1x63x1x64": dict(B=1, T=63, H=1, K=64),
+    "1x128x4x256": dict(B=1, T=128, H=4, K=256),
+    "varlen-K100": dict(B=1, T=2000, H=2, K=100, cu_seqlens=[0, 15, 100, 300, 1200, 2000]),
+    "vfirst-K64-V32": dict(B=2, T=256, H=4, K=64, V=32, state_v_first=True),
+    "noh0-randn": dict(B=2, T=200, H=2, K=64, initial_state=False, randn=True),
+    "strong-g-20": dict(B=2, T=130, H=2, K=64, gate_min=-20.0),
+    "per-head-gate": dict(B=2, T=150, H=3, K=32, per_head_gate=True),
+}
+PARAMS = [(c, d) for c in CASES for d in ("float32", "bfloat16")]
+TOL = {"float32": 1e-5, "bfloat16": 5e-3}
+
+
+def _to(x, device):
+    out = dict(x)
+    for n in ("q", "k", "v", "g", "initial_state", "do", "dht", "cu_seqlens"):
+        if out[n] is not None:
+            out[n] = out[n].to(device)
+    return out
+
+
+def _check(got, want, tol, what):
+    for name, a, b in zip(NAMES, got, want):
+        if a is None or b is None:
+            continue
+        assert a.is_cuda, f"{what}: {name} not on the GPU"
+        assert torch.isfinite(a).all() or not torch.isfinite(b).all(), f"{what}: {name} has NaN/Inf"
+        err = rel(a, b)
+        assert err < tol, f"{what}: {name} relative RMS error {err:.3e} >= {tol:.0e}"
+
+
+@pytest.fixture(autouse=True)
+def _ieee_fp32():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.parametrize("case,dtype", PARAMS, ids=[f"{c}-{d}" for c, d in PARAMS])
+def test_cuda_torch_backend_matches_reference(case, dtype):
+    x = make_inputs(**CASES[case], dtype=getattr(torch, dtype), seed=3)
+    ref = run_gla(x, backend="reference")
+    got = run_gla(_to(x, "cuda"), backend="torch")
+    _check(got, ref, TOL[dtype], "torch backend on CUDA vs reference")
+
+
+@pytest.mark.parametrize("case,dtype", PARAMS, ids=[f"{c}-{d}" for c, d in PARAMS])
+def test_cuda_default_dispatch_matches_reference(case, dtype):
+    x = make_inputs(**CASES[case], dtype=getattr(torch, dtype), seed=4)
+    ref = run_gla(x, backend="reference")
+    got = run_gla(_to(x, "cuda"))
+    # a native cuda backend may use TF32 tensor cores: SPEC's bar for them is 1e-3
+    _check(got, ref, 1e-3 if dtype == "float32" else TOL[dtype], "default dispatch on CUDA vs reference")
+
+
+def test_cuda_explain_names_the_torch_backend():
+    x = _to(make_inputs(B=1, T=64, H=2, K=32), "cuda")
+    text = gla.explain(x["q"], x["k"], x["v"], x["g"], backward=True)
+    assert "device=cuda:0" in text
+    assert "backend 'torch' (priority 80)" in text
+    with gla.backend("torch"):
+        assert gla.explain(x["q"], x["k"], x["v"], x["g"]).rstrip().endswith("decision: torch (whole operation)")
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_cuda_no_host_sync_with_cu_seqlens_cpu(backend):
+    cu = [0, 15, 100, 300, 700]
+    x = _to(make_inputs(B=1, T=700, H=2, K=64, cu_seqlens=cu, dtype=torch.bfloat16), "cuda")
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "initial_state")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with gla.backend(backend):
+            o, ht = gla.chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True,
+                                  cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=torch.tensor(cu))
+            torch.autograd.backward([o, ht], [x["do"], x["dht"]])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_cuda_mixed_devices_are_rejected():
+    x = _to(make_inputs(B=1, T=16, H=1, K=8), "cuda")
+    with pytest.raises(ValueError, match=r"^k: expected device cuda:0 \(same as q\), got cpu:0"):
+        gla.chunk_gla(x["q"], x["k"].cpu(), x["v"], x["g"])
+
+
+def _capture_and_replay(backend):
+    cu = [0, 100, 100, 333]
+    base = make_inputs(B=1, T=333, H=2, K=64, cu_seqlens=cu, seed=1)
+    x = _to(base, "cuda")
+    static = {n: x[n].clone() for n in ("q", "k", "v", "g", "initial_state", "do", "dht")}
+    leaves = [static[n].requires_grad_() for n in ("q", "k", "v", "g", "initial_state")]
+    cu_cpu = torch.tensor(cu)
+
+    def step():
+        o, ht = gla.chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True,
+                              cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=cu_cpu)
+        grads = torch.autograd.grad([o, ht], leaves, [static["do"], static["dht"]])
+        return (o, ht) + tuple(grads)
+
+    with gla.backend(backend):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up outside the capture (allocator, lazy init)
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        fresh = _to(make_inputs(B=1, T=333, H=2, K=64, cu_seqlens=cu, seed=2), "cuda")
+        with torch.no_grad():
+            for n in ("q", "k", "v", "g", "initial_state", "do", "dht"):
+                static[n].copy_(fresh[n])
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = run_gla(fresh, backend=backend)
+    for name, a, b in zip(NAMES, outs, eager):
+        assert rel(a, b) < 1e-6, f"{name}: replay differs from eager by {rel(a, b):.3e}"
+
+
+def test_cuda_graph_capture_torch_backend():
+    _capture_and_replay("torch")
+
+
+def test_cuda_graph_capture_cuda_backend():
+    names = [b.name for b in gla.backends() if b.available]
+    if "cuda" not in names:
+        pytest.skip("no native cuda backend in this build of libgla")
+    _capture_and_replay(None)
+
+
+def test_cuda_opcheck():
+    x = _to(make_inputs(B=1, T=40, H=2, K=8, V=6, cu_seqlens=[0, 7, 40]), "cuda")
+    args = (x["q"].requires_grad_(), x["k"].requires_grad_(), x["v"].requires_grad_(), x["g"].requires_grad_(),
+            x["initial_state"].requires_grad_(), x["cu_seqlens"], torch.tensor([0, 7, 40]), 0.3, False, True, "", 0)
+    torch.library.opcheck(torch.ops.gla.chunk_fwd.default, args)
+    bwd = args[:7] + (x["do"], x["dht"], 0.3, False, "", 0)
+    torch.library.opcheck(torch.ops.gla.chunk_bwd.default, tuple(a.detach() if isinstance(a, torch.Tensor) else a
+                                                                 for a in bwd))
+
+
+def test_cuda_compile_fullgraph():
+    torch._dynamo.reset()
+    x = _to(make_inputs(B=2, T=70, H=2, K=16, V=8), "cuda")
+
+    def f(q, k, v, g, h0):
+        o, ht = gla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+        return (o * o).sum() + (ht * ht).sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    grads = []
+    for fn in (compiled, f):
+        leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "initial_state")]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        assert rel(a, b) < 1e-5
