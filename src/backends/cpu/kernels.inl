@@ -147,6 +147,22 @@ inline void store_tile(const gla_tensor& x, int64_t batch, int64_t t0, int64_t r
   for (int64_t r = 0; r < rows; ++r) store_row(x, off4(x, batch, t0 + r, head, d0), x.strides[3], cols, src + r * ld);
 }
 
+// Asks the cache for rows [t0, t0 + rows) of a [B, T, H, D] tensor at (batch, head). A head's row
+// is D contiguous elements H*D apart, so each row sits on its own page and the hardware prefetcher
+// (which stops at page boundaries) does not fetch the next chunk; without this the forward spent
+// ~15% of its time in the tile loads.
+inline void prefetch_tile(const gla_tensor& x, int64_t batch, int64_t t0, int64_t rows, int64_t head, int64_t d0,
+                          int64_t cols) {
+  if (!has(x)) return;
+  const int64_t esize = x.dtype == GLA_DTYPE_F32 ? 4 : 2;
+  const int64_t bytes = (x.rank == 4 ? (cols - 1) * x.strides[3] : 0) * esize + esize;
+  const char* base = static_cast<const char*>(x.data);
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = base + (x.rank == 4 ? off4(x, batch, t0 + r, head, d0) : batch * x.strides[0] + (t0 + r) * x.strides[1] + head * x.strides[2]) * esize;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
 // State (sequence n, head h) restricted to value columns [v0, v0 + bv) as a K x bv tile, in either
 // layout ([K, V] or [V, K] with state_v_first).
 inline void load_state(const gla_problem& p, const gla_tensor& s, int64_t n, int64_t h, int64_t v0, int64_t bv,
@@ -175,34 +191,40 @@ inline void copy_to_chunk_state(const gla_problem& p, const gla_tensor& s, int64
 }
 
 // b (L x K): chunk-local inclusive cumulative gate in log2 units, from g (per-key, or per-head
-// broadcast over K). `run` is K floats of scratch.
-inline void gate_cumsum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, float* b, float* run) {
+// broadcast over K), accumulated in fp64 and returned as hi + lo (see Gates). run: K doubles.
+inline void gate_cumsum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, float* b, float* blo,
+                        double* run) {
+  constexpr double kRcpLn2d = 1.4426950408889634;
   const int64_t K = p.K;
   if (p.gate_per_head) {
-    float acc = 0.0f;
+    double acc = 0.0;
     for (int64_t r = 0; r < L; ++r) {
       float gv;
       load_row(p.g, batch * p.g.strides[0] + (t0 + r) * p.g.strides[1] + h * p.g.strides[2], 1, 1, &gv);
       acc += gv;
-      const float val = acc * kRcpLn2;
-      for (int64_t i = 0; i < K; ++i) b[r * K + i] = val;
+      const double x = acc * kRcpLn2d;
+      const float hi = static_cast<float>(x), lo = static_cast<float>(x - hi);
+      for (int64_t i = 0; i < K; ++i) b[r * K + i] = hi, blo[r * K + i] = lo;
     }
     return;
   }
-  for (int64_t i = 0; i < K; ++i) run[i] = 0.0f;
+  for (int64_t i = 0; i < K; ++i) run[i] = 0.0;
   for (int64_t r = 0; r < L; ++r) {
     float* row = b + r * K;
+    float* lo = blo + r * K;
     load_row(p.g, off4(p.g, batch, t0 + r, h, 0), p.g.strides[3], K, row);
-    for_vectors(K, [&](int64_t c, int lanes) {
-      const vf acc = vadd(vload_k(run + c, lanes), vload_k(row + c, lanes));
-      vstore_k(run + c, acc, lanes);
-      vstore_k(row + c, vmul(acc, vset(kRcpLn2)), lanes);
-    });
+    for (int64_t i = 0; i < K; ++i) {
+      run[i] += row[i];
+      const double x = run[i] * kRcpLn2d;
+      row[i] = static_cast<float>(x);
+      lo[i] = static_cast<float>(x - row[i]);
+    }
   }
 }
-// b from the gcum stage buffer ([B, T, H, Kg], Kg = 1 broadcast for a per-head gate).
-inline void load_gcum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, float* b) {
+// b from the gcum stage buffer ([B, T, H, Kg], Kg = 1 broadcast for a per-head gate); lo = 0.
+inline void load_gcum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, float* b, float* blo) {
   const int64_t K = p.K;
+  std::memset(blo, 0, static_cast<size_t>(L * K) * 4);
   const gla_tensor& gc = p.gcum;
   const int64_t kg = gc.sizes[3];
   for (int64_t r = 0; r < L; ++r) {
@@ -322,13 +344,35 @@ inline void transpose(int64_t rows, int64_t cols, const float* src, int64_t lds,
   }
 }
 
-// out[i] = x[i] * 2^(e1[i] - e0[i]) * s over n floats (e0 may be null: 0).
-inline void scale_exp2_diff(int64_t n, const float* x, const float* e1, const float* e0, float s, float* out) {
-  for_vectors(n, [&](int64_t c, int lanes) {
-    vf e = vload_k(e1 + c, lanes);
-    if (e0) e = vsub(e, vload_k(e0 + c, lanes));
-    vstore_k(out + c, vmul(vmul(vload_k(x + c, lanes), vexp2(e)), vset(s)), lanes);
+// The chunk-local cumulative gate b (log2 units) of L rows, as an unevaluated sum hi + lo of two
+// floats. b reaches hundreds under strong decay (64 steps of g = -5: b = -460), where one fp32 ulp
+// is 3e-5; every exponent used is a difference b_t - b_s of nearby rows, and taking it from fp32
+// cumulative sums alone put 2e-5 relative error into dg (SPEC's bar is 1e-5). The whole operations
+// accumulate in fp64 and keep the rounding remainder in lo; the stage units read the fp32 gcum
+// buffer and have lo = 0.
+struct Gates {
+  const float* hi;
+  const float* lo;
+  int64_t K;
+};
+// b[r1] - b[r0] (r0 < 0: b[r1]) for the vector at column c.
+inline vf gate_diff(const Gates& g, int64_t r1, int64_t r0, int64_t c, int lanes) {
+  vf h = vload_k(g.hi + r1 * g.K + c, lanes), l = vload_k(g.lo + r1 * g.K + c, lanes);
+  if (r0 >= 0) {
+    h = vsub(h, vload_k(g.hi + r0 * g.K + c, lanes));
+    l = vsub(l, vload_k(g.lo + r0 * g.K + c, lanes));
+  }
+  return vadd(h, l);
+}
+// out[i] = x[i] * 2^(b[r1][i] - b[r0][i]) * s over K floats.
+inline void scale_exp2_rows(const Gates& g, const float* x, int64_t r1, int64_t r0, float s, float* out) {
+  for_vectors(g.K, [&](int64_t c, int lanes) {
+    vstore_k(out + c, vmul(vmul(vload_k(x + c, lanes), vexp2(gate_diff(g, r1, r0, c, lanes))), vset(s)), lanes);
   });
+}
+// out[i] = 2^(b[r1][i] - b[r0][i]) over K floats.
+inline void exp2_rows(const Gates& g, int64_t r1, int64_t r0, float* out) {
+  for_vectors(g.K, [&](int64_t c, int lanes) { vstore_k(out + c, vexp2(gate_diff(g, r1, r0, c, lanes)), lanes); });
 }
 // x[i] *= f[i] over n floats.
 inline void mul_inplace(int64_t n, float* x, const float* f) {
@@ -340,15 +384,6 @@ inline void fma_inplace(int64_t n, float* x, const float* y, const float* f) {
     vstore_k(x + c, vfma(vload_k(y + c, lanes), vload_k(f + c, lanes), vload_k(x + c, lanes)), lanes);
   });
 }
-// out[i] = 2^(e1[i] - e0[i])
-inline void exp2_diff(int64_t n, const float* e1, const float* e0, float* out) {
-  for_vectors(n, [&](int64_t c, int lanes) {
-    vf e = vload_k(e1 + c, lanes);
-    if (e0) e = vsub(e, vload_k(e0 + c, lanes));
-    vstore_k(out + c, vexp2(e), lanes);
-  });
-}
-
 // ---------------------------------------------------------------------------------------------
 // Chunk building blocks. Tiles: q, k, b [L x K]; v, do [L x V] (ld = their width); A, dA [L x C]
 // with ld C. Scratch pointers are sized by the callers' layouts.
@@ -365,39 +400,36 @@ struct IntraScratch {
 // (q_t 2^(b_t - p_i)) . (k_s 2^(p_i - b_s)); the keys' factor for pivot i is the one for pivot i-1
 // times 2^(p_i - p_(i-1)), so each key row is exponentiated once. Diagonal blocks element-wise;
 // `wd` (optional, [nsub][kPairs][K]) receives their weights 2^(b_t - b_s) for the backward.
-inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const float* q, const float* k, const float* b,
+inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const float* q, const float* k, const Gates& g,
                             float* A, int64_t zero_to, float* wd, const IntraScratch& s) {
   const int64_t nsub = (L + kSub - 1) / kSub;
   for (int64_t i = 0; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
     if (i > 0) {
-      const float* pivot = b + r0 * K;
       const int64_t old = r0 - kSub;  // key columns already in kpt (pivot i - 1)
       if (old > 0) {
-        exp2_diff(K, pivot, b + old * K, s.fac);
+        exp2_rows(g, r0, old, s.fac);
         for (int64_t kk = 0; kk < K; ++kk) {
           float* row = s.kpt + kk * C;
           const vf f = vset(s.fac[kk]);
           for_vectors(old, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
         }
       }
-      for (int64_t r = 0; r < kSub; ++r) scale_exp2_diff(K, k + (old + r) * K, pivot, b + (old + r) * K, 1.0f, s.krow + r * K);
+      for (int64_t r = 0; r < kSub; ++r) scale_exp2_rows(g, k + (old + r) * K, r0, old + r, 1.0f, s.krow + r * K);
       transpose(kSub, K, s.krow, K, s.kpt + old, C);
-      for (int64_t t = 0; t < ni; ++t) scale_exp2_diff(K, q + (r0 + t) * K, b + (r0 + t) * K, pivot, scale, s.qp + t * K);
+      for (int64_t t = 0; t < ni; ++t) scale_exp2_rows(g, q + (r0 + t) * K, r0 + t, r0, scale, s.qp + t * K);
       gemm(ni, r0, K, s.qp, K, 1, s.kpt, C, A + r0 * C, C, false);
     }
     float* w = wd ? wd + i * kPairs * K : nullptr;
     for (int64_t t = 0; t < ni; ++t) {
       const float* qt = q + (r0 + t) * K;
-      const float* bt = b + (r0 + t) * K;
       float* arow = A + (r0 + t) * C;
       for (int64_t u = 0; u <= t; ++u) {
         const float* ks = k + (r0 + u) * K;
-        const float* bs = b + (r0 + u) * K;
         float* wp = w ? w + (t * (t + 1) / 2 + u) * K : nullptr;
         vf acc = vzero();
         for_vectors(K, [&](int64_t c, int lanes) {
-          const vf e = vexp2(vsub(vload_k(bt + c, lanes), vload_k(bs + c, lanes)));
+          const vf e = vexp2(gate_diff(g, r0 + t, r0 + u, c, lanes));
           if (wp) vstore_k(wp + c, e, lanes);
           acc = vfma(vmul(vload_k(qt + c, lanes), vload_k(ks + c, lanes)), e, acc);
         });
@@ -425,9 +457,9 @@ inline void intra_dA(int64_t L, int64_t V, int64_t C, float scale, const float* 
 }
 
 // o (L x bv) = scale (q ⊙ 2^b) S + A v.  qe: L x K scratch.
-inline void chunk_output(int64_t L, int64_t K, int64_t bv, int64_t C, float scale, const float* q, const float* b,
+inline void chunk_output(int64_t L, int64_t K, int64_t bv, int64_t C, float scale, const float* q, const Gates& g,
                          const float* S, const float* A, const float* v, float* o, float* qe) {
-  for (int64_t r = 0; r < L; ++r) scale_exp2_diff(K, q + r * K, b + r * K, nullptr, scale, qe + r * K);
+  for (int64_t r = 0; r < L; ++r) scale_exp2_rows(g, q + r * K, r, -1, scale, qe + r * K);
   gemm(L, bv, K, qe, K, 1, S, bv, o, bv, false);
   const int64_t nsub = (L + kSub - 1) / kSub;
   for (int64_t i = 0; i < nsub; ++i) {
@@ -436,26 +468,26 @@ inline void chunk_output(int64_t L, int64_t K, int64_t bv, int64_t C, float scal
   }
 }
 
-// S (K x bv) <- Diag(2^b_last) S + (k ⊙ 2^(b_last - b))^T v.  kl: L x K, fac: K scratch.
-inline void state_step(int64_t L, int64_t K, int64_t bv, const float* k, const float* b, const float* v, float* S,
-                       float* kl, float* fac) {
-  const float* bl = b + (L - 1) * K;
-  for (int64_t r = 0; r < L; ++r) scale_exp2_diff(K, k + r * K, bl, b + r * K, 1.0f, kl + r * K);
-  exp2_diff(K, bl, nullptr, fac);
+// S_out (K x bv) = Diag(2^b_last) S_in + (k ⊙ 2^(b_last - b))^T v; S_out may be S_in.
+// kl: L x K, fac: K scratch.
+inline void state_step(int64_t L, int64_t K, int64_t bv, const float* k, const Gates& g, const float* v,
+                       const float* S_in, float* S_out, float* kl, float* fac) {
+  for (int64_t r = 0; r < L; ++r) scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, kl + r * K);
+  exp2_rows(g, L - 1, -1, fac);
   for (int64_t kk = 0; kk < K; ++kk) {
-    float* row = S + kk * bv;
+    const float* src = S_in + kk * bv;
+    float* dst = S_out + kk * bv;
     const vf f = vset(fac[kk]);
-    for_vectors(bv, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
+    for_vectors(bv, [&](int64_t c, int lanes) { vstore_k(dst + c, vmul(vload_k(src + c, lanes), f), lanes); });
   }
-  gemm(K, bv, L, kl, 1, K, v, bv, S, bv, true);
+  gemm(K, bv, L, kl, 1, K, v, bv, S_out, bv, true);
 }
 
 // dS (K x V) <- Diag(2^b_last) dS + (scale q ⊙ 2^b)^T do.  qs: L x K, fac: K scratch.
-inline void dstate_step(int64_t L, int64_t K, int64_t V, float scale, const float* q, const float* b, const float* dout,
+inline void dstate_step(int64_t L, int64_t K, int64_t V, float scale, const float* q, const Gates& g, const float* dout,
                         float* dS, float* qs, float* fac) {
-  const float* bl = b + (L - 1) * K;
-  for (int64_t r = 0; r < L; ++r) scale_exp2_diff(K, q + r * K, b + r * K, nullptr, scale, qs + r * K);
-  exp2_diff(K, bl, nullptr, fac);
+  for (int64_t r = 0; r < L; ++r) scale_exp2_rows(g, q + r * K, r, -1, scale, qs + r * K);
+  exp2_rows(g, L - 1, -1, fac);
   for (int64_t kk = 0; kk < K; ++kk) {
     float* row = dS + kk * V;
     const vf f = vset(fac[kk]);
@@ -465,10 +497,9 @@ inline void dstate_step(int64_t L, int64_t K, int64_t V, float scale, const floa
 }
 
 // dv (L x V) = A^T do + (k ⊙ 2^(b_last - b)) dS_end.  kl: L x K scratch.
-inline void chunk_dv(int64_t L, int64_t K, int64_t V, int64_t C, const float* k, const float* b, const float* A,
+inline void chunk_dv(int64_t L, int64_t K, int64_t V, int64_t C, const float* k, const Gates& g, const float* A,
                      const float* dout, const float* dS, float* dv, float* kl) {
-  const float* bl = b + (L - 1) * K;
-  for (int64_t r = 0; r < L; ++r) scale_exp2_diff(K, k + r * K, bl, b + r * K, 1.0f, kl + r * K);
+  for (int64_t r = 0; r < L; ++r) scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, kl + r * K);
   gemm(L, V, K, kl, K, 1, dS, V, dv, V, false);
   const int64_t nsub = (L + kSub - 1) / kSub;
   for (int64_t j = 0; j < nsub; ++j) {
@@ -486,25 +517,28 @@ struct DqkScratch {
   float* w;    // K (diagonal weights when not precomputed)
 };
 
-// Intra-chunk parts of dq and dk, added into dq, dk (L x K):
-//   dq_t += sum_{s <= t} dA[t][s] k_s 2^(b_t - b_s),  dk_s += sum_{t >= s} dA[t][s] q_t 2^(b_t - b_s).
+// Intra-chunk parts of dq and dk, added into dq, dk (L x K), without the self terms s = t:
+//   dq_t += sum_{s < t} dA[t][s] k_s 2^(b_t - b_s),  dk_s += sum_{t > s} dA[t][s] q_t 2^(b_t - b_s).
+// The self terms (add_self_terms) cancel exactly in dg's q⊙dq - k⊙dk, and under strong decay they
+// are most of dq and dk: leaving them out until dg is formed keeps dg's relative error at fp32
+// rounding (with them, 2.6e-5 at g down to -20; without, ~1e-6).
 // dq pivots at the first row of the query sub-chunk, dk at the last row of the key sub-chunk; the
 // diagonal blocks use `wd` from intra_attention when given, else recompute the weights.
-inline void intra_dqk(int64_t L, int64_t K, int64_t C, const float* q, const float* k, const float* b, const float* dA,
+inline void intra_dqk(int64_t L, int64_t K, int64_t C, const float* q, const float* k, const Gates& g, const float* dA,
                       const float* wd, float* dq, float* dk, const DqkScratch& s) {
   const int64_t nsub = (L + kSub - 1) / kSub;
   // dq, off-diagonal: kp holds k_s 2^(p_i - b_s) for s < r0, updated incrementally.
   for (int64_t i = 1; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0), old = r0 - kSub;
-    const float* pivot = b + r0 * K;
+    const int64_t pivot = r0;
     if (old > 0) {
-      exp2_diff(K, pivot, b + old * K, s.fac);
+      exp2_rows(g, pivot, old, s.fac);
       for (int64_t r = 0; r < old; ++r) mul_inplace(K, s.kp + r * K, s.fac);
     }
-    for (int64_t r = old; r < r0; ++r) scale_exp2_diff(K, k + r * K, pivot, b + r * K, 1.0f, s.kp + r * K);
+    for (int64_t r = old; r < r0; ++r) scale_exp2_rows(g, k + r * K, pivot, r, 1.0f, s.kp + r * K);
     gemm(ni, K, r0, dA + r0 * C, C, 1, s.kp, K, s.tmp, K, false);
     for (int64_t t = 0; t < ni; ++t) {
-      exp2_diff(K, b + (r0 + t) * K, pivot, s.fac);
+      exp2_rows(g, r0 + t, pivot, s.fac);
       fma_inplace(K, dq + (r0 + t) * K, s.tmp + t * K, s.fac);
     }
   }
@@ -512,17 +546,17 @@ inline void intra_dqk(int64_t L, int64_t K, int64_t C, const float* q, const flo
   // row of sub-chunk j; qr holds q_t 2^(b_t - r_j), updated incrementally going down in j.
   for (int64_t j = nsub - 2; j >= 0; --j) {
     const int64_t r0 = j * kSub, e = r0 + kSub;
-    const float* pivot = b + (e - 1) * K;
+    const int64_t pivot = e - 1;
     const int64_t next_e = e + kSub;  // rows already in qr (from pivot j + 1) start at next_e
     if (next_e < L) {
-      exp2_diff(K, b + (next_e - 1) * K, pivot, s.fac);
+      exp2_rows(g, next_e - 1, pivot, s.fac);
       for (int64_t r = next_e; r < L; ++r) mul_inplace(K, s.qr + r * K, s.fac);
     }
-    for (int64_t r = e; r < std::min(next_e, L); ++r) scale_exp2_diff(K, q + r * K, b + r * K, pivot, 1.0f, s.qr + r * K);
+    for (int64_t r = e; r < std::min(next_e, L); ++r) scale_exp2_rows(g, q + r * K, r, pivot, 1.0f, s.qr + r * K);
     // tmp[s] = sum_{t >= e} dA[t][s] qr_t, s in sub-chunk j
     gemm(kSub, K, L - e, dA + e * C + r0, 1, C, s.qr + e * K, K, s.tmp, K, false);
     for (int64_t u = 0; u < kSub; ++u) {
-      exp2_diff(K, pivot, b + (r0 + u) * K, s.fac);
+      exp2_rows(g, pivot, r0 + u, s.fac);
       fma_inplace(K, dk + (r0 + u) * K, s.tmp + u * K, s.fac);
     }
   }
@@ -532,16 +566,14 @@ inline void intra_dqk(int64_t L, int64_t K, int64_t C, const float* q, const flo
     const float* w = wd ? wd + i * kPairs * K : nullptr;
     for (int64_t t = 0; t < ni; ++t) {
       const float* qt = q + (r0 + t) * K;
-      const float* bt = b + (r0 + t) * K;
       float* dqt = dq + (r0 + t) * K;
-      for (int64_t u = 0; u <= t; ++u) {
+      for (int64_t u = 0; u < t; ++u) {
         const float* ks = k + (r0 + u) * K;
-        const float* bs = b + (r0 + u) * K;
         float* dks = dk + (r0 + u) * K;
         const float* wp = w ? w + (t * (t + 1) / 2 + u) * K : nullptr;
         const vf a = vset(dA[(r0 + t) * C + r0 + u]);
         for_vectors(K, [&](int64_t c, int lanes) {
-          const vf e = wp ? vload_k(wp + c, lanes) : vexp2(vsub(vload_k(bt + c, lanes), vload_k(bs + c, lanes)));
+          const vf e = wp ? vload_k(wp + c, lanes) : vexp2(gate_diff(g, r0 + t, r0 + u, c, lanes));
           const vf ae = vmul(a, e);
           vstore_k(dqt + c, vfma(ae, vload_k(ks + c, lanes), vload_k(dqt + c, lanes)), lanes);
           vstore_k(dks + c, vfma(ae, vload_k(qt + c, lanes), vload_k(dks + c, lanes)), lanes);
@@ -551,60 +583,85 @@ inline void intra_dqk(int64_t L, int64_t K, int64_t C, const float* q, const flo
   }
 }
 
+// dq_t += dA[t][t] k_t, dk_t += dA[t][t] q_t (the terms intra_dqk leaves out).
+inline void add_self_terms(int64_t L, int64_t K, int64_t C, const float* q, const float* k, const float* dA, float* dq,
+                           float* dk) {
+  for (int64_t t = 0; t < L; ++t) {
+    const vf a = vset(dA[t * C + t]);
+    for_vectors(K, [&](int64_t c, int lanes) {
+      vstore_k(dq + t * K + c, vfma(a, vload_k(k + t * K + c, lanes), vload_k(dq + t * K + c, lanes)), lanes);
+      vstore_k(dk + t * K + c, vfma(a, vload_k(q + t * K + c, lanes), vload_k(dk + t * K + c, lanes)), lanes);
+    });
+  }
+}
+
 struct InterScratch {
-  float* st;   // V x K: S_c transposed
-  float* dst;  // V x K: dS_end transposed
-  float* tmp;  // L x K
-  float* e;    // L x K
-  float* dgl;  // K
-  float* fac;  // K
+  float* st;    // V x K: S_c transposed
+  float* dst;   // V x K: dS_end transposed
+  float* tmp;   // L x K
+  float* e;     // L x K
+  float* base;  // K
+  double* acc;  // K
 };
 
-// Inter-chunk parts: dq += scale 2^b ⊙ (do S_c^T), dk += 2^(b_last - b) ⊙ (v dS^T) (= dk_inter);
-// then, with dq and dk complete, dg (L x K, when non-null) = reverse cumsum of q⊙dq - k⊙dk plus
-// 2^b_last ⊙ rowsum(S_c ⊙ dS) + sum_s k_s ⊙ dk_inter_s.
+// Inter-chunk parts: dq += scale 2^b ⊙ (do S_c^T), dk += dk_inter = 2^(b_last - b) ⊙ (v dS^T); and
+// dg (L x K, when non-null). SPEC's form is
+//   dg_u = sum_{t >= u} (q_t⊙dq_t - k_t⊙dk_t) + 2^b_last ⊙ rowsum(S_c ⊙ dS) + sum_s k_s⊙dk_inter_s,
+// where the k⊙dk_inter terms of the first sum cancel those of the last for s >= u: under strong
+// decay they are ~1000x dg and cancelling them in fp32 cost ~1e-5 relative error. So dg is formed
+// as the equal sum_{t >= u} (q_t⊙dq_t - k_t⊙dk_intra_t) + sum_{s < u} k_s⊙dk_inter_s
+// + 2^b_last ⊙ rowsum(S_c ⊙ dS), both running sums in fp64. On entry dq and dk hold the intra parts.
 inline void inter_dqkg(int64_t L, int64_t K, int64_t V, float scale, const float* q, const float* k, const float* v,
-                       const float* b, const float* dout, const float* Sc, const float* dS, float* dq, float* dk,
+                       const Gates& g, const float* dout, const float* Sc, const float* dS, float* dq, float* dk,
                        float* dg, const InterScratch& s) {
-  const float* bl = b + (L - 1) * K;
   transpose(K, V, Sc, V, s.st, K);
   transpose(K, V, dS, V, s.dst, K);
   // dq
   gemm(L, K, V, dout, V, 1, s.st, K, s.tmp, K, false);
   for (int64_t r = 0; r < L; ++r) {
-    exp2_diff(K, b + r * K, nullptr, s.e + r * K);
+    exp2_rows(g, r, -1, s.e + r * K);
     for_vectors(K, [&](int64_t c, int lanes) {
       const vf x = vmul(vmul(vload_k(s.tmp + r * K + c, lanes), vload_k(s.e + r * K + c, lanes)), vset(scale));
       vstore_k(dq + r * K + c, vadd(vload_k(dq + r * K + c, lanes), x), lanes);
     });
   }
-  // dk_inter into tmp, then into dk
+  // dk_inter into tmp
   gemm(L, K, V, v, V, 1, s.dst, K, s.tmp, K, false);
   for (int64_t r = 0; r < L; ++r) {
-    exp2_diff(K, bl, b + r * K, s.e + r * K);
+    exp2_rows(g, L - 1, r, s.e + r * K);
     mul_inplace(K, s.tmp + r * K, s.e + r * K);
+  }
+  if (dg) {
+    exp2_rows(g, L - 1, -1, s.base);
+    for (int64_t kk = 0; kk < K; ++kk) {
+      const float* a = Sc + kk * V;
+      const float* d = dS + kk * V;
+      vf acc = vzero();
+      for_vectors(V, [&](int64_t c, int lanes) { acc = vfma(vload_k(a + c, lanes), vload_k(d + c, lanes), acc); });
+      s.base[kk] *= vsum(acc);
+    }
+    for (int64_t kk = 0; kk < K; ++kk) s.acc[kk] = 0.0;
+    for (int64_t r = L - 1; r >= 0; --r) {
+      const float *qr = q + r * K, *dqr = dq + r * K, *kr = k + r * K, *dkr = dk + r * K;
+      float* out = dg + r * K;
+      for (int64_t kk = 0; kk < K; ++kk) {
+        s.acc[kk] += static_cast<double>(qr[kk]) * dqr[kk] - static_cast<double>(kr[kk]) * dkr[kk];
+        out[kk] = static_cast<float>(s.acc[kk]);
+      }
+    }
+    for (int64_t kk = 0; kk < K; ++kk) s.acc[kk] = 0.0;
+    for (int64_t r = 0; r < L; ++r) {
+      const float *kr = k + r * K, *ir = s.tmp + r * K;
+      float* out = dg + r * K;
+      for (int64_t kk = 0; kk < K; ++kk) {
+        out[kk] = static_cast<float>(static_cast<double>(out[kk]) + s.acc[kk] + s.base[kk]);
+        s.acc[kk] += static_cast<double>(kr[kk]) * ir[kk];
+      }
+    }
+  }
+  for (int64_t r = 0; r < L; ++r) {
     for_vectors(K, [&](int64_t c, int lanes) {
       vstore_k(dk + r * K + c, vadd(vload_k(dk + r * K + c, lanes), vload_k(s.tmp + r * K + c, lanes)), lanes);
-    });
-  }
-  if (!dg) return;
-  exp2_diff(K, bl, nullptr, s.fac);
-  for (int64_t kk = 0; kk < K; ++kk) {
-    const float* a = Sc + kk * V;
-    const float* d = dS + kk * V;
-    vf acc = vzero();
-    for_vectors(V, [&](int64_t c, int lanes) { acc = vfma(vload_k(a + c, lanes), vload_k(d + c, lanes), acc); });
-    s.dgl[kk] = s.fac[kk] * vsum(acc);
-  }
-  for (int64_t r = 0; r < L; ++r) fma_inplace(K, s.dgl, k + r * K, s.tmp + r * K);
-  // reverse cumulative sum of x = q⊙dq - k⊙dk, starting from dgl
-  for (int64_t r = L - 1; r >= 0; --r) {
-    for_vectors(K, [&](int64_t c, int lanes) {
-      const vf x = vsub(vmul(vload_k(q + r * K + c, lanes), vload_k(dq + r * K + c, lanes)),
-                        vmul(vload_k(k + r * K + c, lanes), vload_k(dk + r * K + c, lanes)));
-      const vf acc = vadd(vload_k(s.dgl + c, lanes), x);
-      vstore_k(s.dgl + c, acc, lanes);
-      vstore_k(dg + r * K + c, acc, lanes);
     });
   }
 }
@@ -654,7 +711,8 @@ inline int64_t max_chunks_per_sequence(const gla_problem& p, int64_t C) {
 }
 
 struct Tiles {
-  float *q, *k, *b, *v, *dout, *A, *dA, *o, *S, *dS, *wd, *dq, *dk, *dg, *dv, *kl, *run, *states;
+  double* rund;
+  float *q, *k, *b, *blo, *v, *dout, *A, *dA, *o, *S, *dS, *wd, *dq, *dk, *dg, *dv, *kl, *run, *states;
   IntraScratch intra;
   DqkScratch dqk;
   InterScratch inter;
@@ -670,6 +728,8 @@ inline Tiles carve(const gla_problem& p, float* base, size_t* total) {
   t.q = a.take(C * K);
   t.k = a.take(C * K);
   t.b = a.take(C * K);
+  t.blo = a.take(C * K);
+  t.rund = reinterpret_cast<double*>(a.take(2 * K));  // used only as doubles
   t.v = a.take(C * bv);
   t.dout = a.take(C * V);
   t.A = a.take(C * C);
@@ -687,7 +747,8 @@ inline Tiles carve(const gla_problem& p, float* base, size_t* total) {
   t.vt = a.take(V * C);
   t.intra = {a.take(kSub * K), a.take(K * C), a.take(kSub * K), a.take(K)};
   t.dqk = {a.take(C * K), a.take(C * K), a.take(C * K), a.take(K), a.take(K)};
-  t.inter = {a.take(V * K), a.take(V * K), a.take(C * K), a.take(C * K), a.take(K), a.take(K)};
+  t.inter = {a.take(V * K), a.take(V * K), a.take(C * K), a.take(C * K), a.take(K),
+             reinterpret_cast<double*>(a.take(2 * K))};  // acc: used only as doubles
   t.states = p.unit == GLA_UNIT_CHUNK_BWD ? a.take(max_chunks_per_sequence(p, C) * K * V) : nullptr;
   *total = a.used();
   return t;
@@ -712,17 +773,25 @@ inline void run_forward(const gla_problem& p, int64_t item, const Tiles& t) {
   const Span sp = span_of(p, n);
   const int64_t K = p.K, C = kChunk;
   const float scale = static_cast<float>(p.scale);
+  const Gates gates{t.b, t.blo, K};
   load_initial_state(p, n, h, v0, bv, t.S);
   for (int64_t c0 = 0; c0 < sp.length; c0 += C) {
     const int64_t L = std::min(C, sp.length - c0), t0 = sp.start + c0;
     load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
     load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
     load_tile(p.v, sp.batch, t0, L, h, v0, bv, t.v, bv);
-    gate_cumsum(p, sp.batch, t0, L, h, t.b, t.run);
-    intra_attention(L, K, C, scale, t.q, t.k, t.b, t.A, std::min(C, (L + kSub - 1) / kSub * kSub), nullptr, t.intra);
-    chunk_output(L, K, bv, C, scale, t.q, t.b, t.S, t.A, t.v, t.o, t.kl);
+    gate_cumsum(p, sp.batch, t0, L, h, t.b, t.blo, t.rund);
+    if (c0 + C < sp.length) {
+      const int64_t next = std::min(C, sp.length - c0 - C);
+      prefetch_tile(p.q, sp.batch, t0 + C, next, h, 0, K);
+      prefetch_tile(p.k, sp.batch, t0 + C, next, h, 0, K);
+      prefetch_tile(p.v, sp.batch, t0 + C, next, h, v0, bv);
+      prefetch_tile(p.g, sp.batch, t0 + C, next, h, 0, p.gate_per_head ? 1 : K);
+    }
+    intra_attention(L, K, C, scale, t.q, t.k, gates, t.A, std::min(C, (L + kSub - 1) / kSub * kSub), nullptr, t.intra);
+    chunk_output(L, K, bv, C, scale, t.q, gates, t.S, t.A, t.v, t.o, t.kl);
     store_tile(p.o, sp.batch, t0, L, h, v0, bv, t.o, bv);
-    state_step(L, K, bv, t.k, t.b, t.v, t.S, t.kl, t.run);
+    state_step(L, K, bv, t.k, gates, t.v, t.S, t.S, t.kl, t.run);
   }
   if (has(p.final_state)) store_state(p, p.final_state, n, h, v0, bv, t.S);
 }
@@ -734,18 +803,22 @@ inline void run_backward(const gla_problem& p, int64_t item, const Tiles& t) {
   const Span sp = span_of(p, n);
   const int64_t K = p.K, V = p.V, C = kChunk;
   const float scale = static_cast<float>(p.scale);
+  const Gates gates{t.b, t.blo, K};
   const bool want_dqk = has(p.dq) || has(p.dk) || has(p.dg);
   const int64_t nchunks = (sp.length + C - 1) / C;
   if (want_dqk || has(p.dv)) {
-    load_initial_state(p, n, h, 0, V, t.S);
-    for (int64_t c = 0; c < nchunks; ++c) {
+    if (nchunks > 0) load_initial_state(p, n, h, 0, V, t.states);
+    for (int64_t c = 0; c + 1 < nchunks; ++c) {
       const int64_t c0 = c * C, L = std::min(C, sp.length - c0), t0 = sp.start + c0;
-      std::memcpy(t.states + c * K * V, t.S, static_cast<size_t>(K * V) * 4);
-      if (c + 1 == nchunks) break;
+      if (c + 2 < nchunks) {
+        prefetch_tile(p.k, sp.batch, t0 + C, C, h, 0, K);
+        prefetch_tile(p.v, sp.batch, t0 + C, C, h, 0, V);
+        prefetch_tile(p.g, sp.batch, t0 + C, C, h, 0, p.gate_per_head ? 1 : K);
+      }
       load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
       load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
-      gate_cumsum(p, sp.batch, t0, L, h, t.b, t.run);
-      state_step(L, K, V, t.k, t.b, t.v, t.S, t.kl, t.run);
+      gate_cumsum(p, sp.batch, t0, L, h, t.b, t.blo, t.rund);
+      state_step(L, K, V, t.k, gates, t.v, t.states + c * K * V, t.states + (c + 1) * K * V, t.kl, t.run);
     }
   }
   if (has(p.dht)) {
@@ -755,34 +828,40 @@ inline void run_backward(const gla_problem& p, int64_t item, const Tiles& t) {
   }
   for (int64_t c = nchunks - 1; c >= 0; --c) {
     const int64_t c0 = c * C, L = std::min(C, sp.length - c0), t0 = sp.start + c0;
+    if (c > 0) {
+      for (const gla_tensor* x : {&p.q, &p.k}) prefetch_tile(*x, sp.batch, t0 - C, C, h, 0, K);
+      for (const gla_tensor* x : {&p.v, &p.do_}) prefetch_tile(*x, sp.batch, t0 - C, C, h, 0, V);
+      prefetch_tile(p.g, sp.batch, t0 - C, C, h, 0, p.gate_per_head ? 1 : K);
+    }
     load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
     if (has(p.do_)) {
       load_tile(p.do_, sp.batch, t0, L, h, 0, V, t.dout, V);
     } else {
       std::memset(t.dout, 0, static_cast<size_t>(L * V) * 4);
     }
-    gate_cumsum(p, sp.batch, t0, L, h, t.b, t.run);
+    gate_cumsum(p, sp.batch, t0, L, h, t.b, t.blo, t.rund);
     if (want_dqk || has(p.dv)) {
       load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
       load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
-      intra_attention(L, K, C, scale, t.q, t.k, t.b, t.A, L, want_dqk ? t.wd : nullptr, t.intra);
+      intra_attention(L, K, C, scale, t.q, t.k, gates, t.A, L, want_dqk ? t.wd : nullptr, t.intra);
       if (has(p.dv)) {
-        chunk_dv(L, K, V, C, t.k, t.b, t.A, t.dout, t.dS, t.dv, t.kl);
+        chunk_dv(L, K, V, C, t.k, gates, t.A, t.dout, t.dS, t.dv, t.kl);
         store_tile(p.dv, sp.batch, t0, L, h, 0, V, t.dv, V);
       }
       if (want_dqk) {
         intra_dA(L, V, C, scale, t.dout, t.v, t.dA, L, t.vt);
         std::memset(t.dq, 0, static_cast<size_t>(L * K) * 4);
         std::memset(t.dk, 0, static_cast<size_t>(L * K) * 4);
-        intra_dqk(L, K, C, t.q, t.k, t.b, t.dA, t.wd, t.dq, t.dk, t.dqk);
-        inter_dqkg(L, K, V, scale, t.q, t.k, t.v, t.b, t.dout, t.states + c * K * V, t.dS, t.dq, t.dk,
+        intra_dqk(L, K, C, t.q, t.k, gates, t.dA, t.wd, t.dq, t.dk, t.dqk);
+        inter_dqkg(L, K, V, scale, t.q, t.k, t.v, gates, t.dout, t.states + c * K * V, t.dS, t.dq, t.dk,
                    has(p.dg) ? t.dg : nullptr, t.inter);
+        add_self_terms(L, K, C, t.q, t.k, t.dA, t.dq, t.dk);
         if (has(p.dq)) store_tile(p.dq, sp.batch, t0, L, h, 0, K, t.dq, K);
         if (has(p.dk)) store_tile(p.dk, sp.batch, t0, L, h, 0, K, t.dk, K);
         if (has(p.dg)) store_dg(p, sp.batch, t0, L, h, t.dg);
       }
     }
-    dstate_step(L, K, V, scale, t.q, t.b, t.dout, t.dS, t.kl, t.run);
+    dstate_step(L, K, V, scale, t.q, gates, t.dout, t.dS, t.kl, t.run);
   }
   if (has(p.dh0)) store_state(p, p.dh0, n, h, 0, V, t.dS);
 }
@@ -793,6 +872,7 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
   const Span sp = span_of(p, n);
   const int64_t K = p.K, V = p.V, C = p.chunk_size;
   const float scale = static_cast<float>(p.scale);
+  const Gates gates{t.b, t.blo, K};
   const int64_t nchunks = (sp.length + C - 1) / C;
   const int64_t first_chunk = p.chunk_offsets ? p.chunk_offsets[n] : 0;
   const auto rows = [&](int64_t c) { return std::min(C, sp.length - c * C); };
@@ -801,7 +881,7 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
       const int64_t kg = p.gcum.sizes[3];
       for (int64_t c = 0; c < nchunks; ++c) {
         const int64_t L = rows(c), t0 = sp.start + c * C;
-        gate_cumsum(p, sp.batch, t0, L, h, t.b, t.run);
+        gate_cumsum(p, sp.batch, t0, L, h, t.b, t.blo, t.rund);
         for (int64_t r = 0; r < L; ++r) {
           float* dst = static_cast<float*>(p.gcum.data) + off4(p.gcum, sp.batch, t0 + r, h, 0);
           for (int64_t i = 0; i < kg; ++i) dst[i * p.gcum.strides[3]] = t.b[r * K + i];
@@ -816,8 +896,8 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
         copy_to_chunk_state(p, p.h, first_chunk + c, h, t.S);
         load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
         load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
-        load_gcum(p, sp.batch, t0, L, h, t.b);
-        state_step(L, K, V, t.k, t.b, t.v, t.S, t.kl, t.run);
+        load_gcum(p, sp.batch, t0, L, h, t.b, t.blo);
+        state_step(L, K, V, t.k, gates, t.v, t.S, t.S, t.kl, t.run);
       }
       if (has(p.final_state)) store_state(p, p.final_state, n, h, 0, V, t.S);
       break;
@@ -827,8 +907,8 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
         const int64_t L = rows(c), t0 = sp.start + c * C;
         load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
         load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
-        load_gcum(p, sp.batch, t0, L, h, t.b);
-        intra_attention(L, K, C, scale, t.q, t.k, t.b, t.A, C, nullptr, t.intra);
+        load_gcum(p, sp.batch, t0, L, h, t.b, t.blo);
+        intra_attention(L, K, C, scale, t.q, t.k, gates, t.A, C, nullptr, t.intra);
         store_tile(p.A, sp.batch, t0, L, h, 0, C, t.A, C);
       }
       break;
@@ -839,9 +919,9 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
         load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
         load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
         load_tile(p.A, sp.batch, t0, L, h, 0, C, t.A, C);
-        load_gcum(p, sp.batch, t0, L, h, t.b);
+        load_gcum(p, sp.batch, t0, L, h, t.b, t.blo);
         copy_from_chunk_state(p, p.h, first_chunk + c, h, t.S);
-        chunk_output(L, K, V, C, scale, t.q, t.b, t.S, t.A, t.v, t.o, t.kl);
+        chunk_output(L, K, V, C, scale, t.q, gates, t.S, t.A, t.v, t.o, t.kl);
         store_tile(p.o, sp.batch, t0, L, h, 0, V, t.o, V);
       }
       break;
@@ -861,8 +941,8 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
         } else {
           std::memset(t.dout, 0, static_cast<size_t>(L * V) * 4);
         }
-        load_gcum(p, sp.batch, t0, L, h, t.b);
-        dstate_step(L, K, V, scale, t.q, t.b, t.dout, t.dS, t.kl, t.run);
+        load_gcum(p, sp.batch, t0, L, h, t.b, t.blo);
+        dstate_step(L, K, V, scale, t.q, gates, t.dout, t.dS, t.kl, t.run);
       }
       if (has(p.dh0)) store_state(p, p.dh0, n, h, 0, V, t.dS);
       break;
@@ -886,7 +966,7 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
       for (int64_t c = 0; c < nchunks; ++c) {
         const int64_t L = rows(c), t0 = sp.start + c * C;
         load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
-        load_gcum(p, sp.batch, t0, L, h, t.b);
+        load_gcum(p, sp.batch, t0, L, h, t.b, t.blo);
         load_tile(p.A, sp.batch, t0, L, h, 0, C, t.A, C);
         if (has(p.do_)) {
           load_tile(p.do_, sp.batch, t0, L, h, 0, V, t.dout, V);
@@ -894,7 +974,7 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
           std::memset(t.dout, 0, static_cast<size_t>(L * V) * 4);
         }
         copy_from_chunk_state(p, p.dh, first_chunk + c, h, t.dS);
-        chunk_dv(L, K, V, C, t.k, t.b, t.A, t.dout, t.dS, t.dv, t.kl);
+        chunk_dv(L, K, V, C, t.k, gates, t.A, t.dout, t.dS, t.dv, t.kl);
         store_tile(p.dv, sp.batch, t0, L, h, 0, V, t.dv, V);
       }
       break;
@@ -904,11 +984,12 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
         const int64_t L = rows(c), t0 = sp.start + c * C;
         load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
         load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
-        load_gcum(p, sp.batch, t0, L, h, t.b);
+        load_gcum(p, sp.batch, t0, L, h, t.b, t.blo);
         load_tile(p.dA, sp.batch, t0, L, h, 0, C, t.dA, C);
         std::memset(t.dq, 0, static_cast<size_t>(L * K) * 4);
         std::memset(t.dk, 0, static_cast<size_t>(L * K) * 4);
-        intra_dqk(L, K, C, t.q, t.k, t.b, t.dA, nullptr, t.dq, t.dk, t.dqk);
+        intra_dqk(L, K, C, t.q, t.k, gates, t.dA, nullptr, t.dq, t.dk, t.dqk);
+        add_self_terms(L, K, C, t.q, t.k, t.dA, t.dq, t.dk);
         store_tile(p.dq_intra, sp.batch, t0, L, h, 0, K, t.dq, K);
         store_tile(p.dk_intra, sp.batch, t0, L, h, 0, K, t.dk, K);
       }
@@ -921,7 +1002,7 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
         load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
         load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
         load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
-        load_gcum(p, sp.batch, t0, L, h, t.b);
+        load_gcum(p, sp.batch, t0, L, h, t.b, t.blo);
         if (has(p.do_)) {
           load_tile(p.do_, sp.batch, t0, L, h, 0, V, t.dout, V);
         } else {
@@ -931,7 +1012,7 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
         copy_from_chunk_state(p, p.dh, first_chunk + c, h, t.dS);
         load_tile(p.dq_intra, sp.batch, t0, L, h, 0, K, t.dq, K);
         load_tile(p.dk_intra, sp.batch, t0, L, h, 0, K, t.dk, K);
-        inter_dqkg(L, K, V, scale, t.q, t.k, t.v, t.b, t.dout, t.S, t.dS, t.dq, t.dk, has(p.dg) ? t.dg : nullptr,
+        inter_dqkg(L, K, V, scale, t.q, t.k, t.v, gates, t.dout, t.S, t.dS, t.dq, t.dk, has(p.dg) ? t.dg : nullptr,
                    t.inter);
         if (has(p.dq)) store_tile(p.dq, sp.batch, t0, L, h, 0, K, t.dq, K);
         if (has(p.dk)) store_tile(p.dk, sp.batch, t0, L, h, 0, K, t.dk, K);
