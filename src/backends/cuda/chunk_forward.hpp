@@ -44,6 +44,7 @@ struct ForwardParams {
   int32_t gate_dtype;  // ElementType of g
   int32_t gate_per_head;
   int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
+  int32_t debug_skip;    // profiling only (0 in production): bit mask of chunk-kernel phases to skip
 };
 
 // How the chunk kernel splits sequences (host-side plan; see plan_forward).

@@ -220,7 +220,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     if (c + 1 < c_end) issue_loads(c + 1, stage ^ 1);
 
     // ---- 2. element-wise: cumsum, e, qloc, kloc ----
-    for (int item = tid; item < (DK / 2) * 4; item += NT) {
+    for (int item = tid; item < (DK / 2) * 4 && !(p.debug_skip & 4); item += NT) {
       const int cp = item % (DK / 2), sub = item / (DK / 2);
       const int k0 = cp * 2;
       float cs0[16], cs1[16];
@@ -283,7 +283,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
       constexpr int kBlocks = 6;
       const int bi[kBlocks] = {1, 2, 3, 2, 3, 3};
       const int bj[kBlocks] = {0, 1, 2, 0, 1, 0};
-      for (int blk = warp; blk < kBlocks; blk += NW) {
+      for (int blk = warp; blk < kBlocks && !(p.debug_skip & 2); blk += NW) {
         const int i = bi[blk], j = bj[blk];
         float acc[2][4] = {};
         const int mi = lane >> 3;
@@ -326,7 +326,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
       constexpr int SL = DK / 8;
       constexpr int RPW = kChunk / NW;  // rows per warp
       const int rr = lane >> 3, ksl = (lane & 7) * SL;
-      for (int pass = 0; pass < RPW / 4; ++pass) {
+      for (int pass = 0; pass < RPW / 4 && !(p.debug_skip & 1); ++pass) {
         const int tgroup = warp * RPW + pass * 4;
         const int t = tgroup + rr;
         const int sub0 = (t >> 4) * 16;
@@ -395,7 +395,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     __syncthreads();
 
     // ---- 4. qg = qloc 2^{Pre_i}, kg = kloc 2^{Post_i}; the chunk's decay 2^{b_last} ----
-    for (int item = tid; item < (DK / 2) * 4; item += NT) {
+    for (int item = tid; item < (DK / 2) * 4 && !(p.debug_skip & 8); item += NT) {
       const int cp = item % (DK / 2), sub = item / (DK / 2);
       const int k0 = cp * 2;
       float pre0 = 0.f, pre1 = 0.f, post0 = 0.f, post1 = 0.f;
@@ -440,7 +440,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     for (int kk = 0; kk < 4; ++kk) {
       ldsm_x4_trans(vf[kk], vs + (kk * 16 + (lane & 7) + (mi >> 1) * 8) * L.pv + vrow + (mi & 1) * 8);
     }
-    if (full) {
+    if (full && !(p.debug_skip & 16)) {
       float acc[8][4] = {};
       const int nrow = (lane & 7) + (mi >> 1) * 8, ncol = (mi & 1) * 8;
 #pragma unroll

@@ -1,0 +1,230 @@
+// The `cuda` backend: NVIDIA GPUs, compute capability 8.0 and up. Implements the whole chunk
+// forward (GLA_UNIT_CHUNK_FWD) with the kernels of chunk_forward.hpp; backward is not implemented
+// yet and falls through to other backends.
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/chunk_forward.hpp"
+#include "core/backend.hpp"
+
+namespace gla {
+namespace {
+
+struct DeviceInfo {
+  int major = 0, minor = 0, sm_count = 0;
+  bool ok = false;
+};
+
+// Properties of each device, read once.
+const DeviceInfo& device_info(int index) {
+  static std::mutex mutex;
+  static std::vector<DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cache.empty()) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      cudaGetLastError();
+      count = 0;
+    }
+    cache.resize(static_cast<size_t>(count));
+    for (int i = 0; i < count; ++i) {
+      DeviceInfo& d = cache[static_cast<size_t>(i)];
+      d.ok = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, i) == cudaSuccess &&
+             cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, i) == cudaSuccess &&
+             cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, i) == cudaSuccess;
+    }
+  }
+  static const DeviceInfo none;
+  if (index < 0 || static_cast<size_t>(index) >= cache.size()) return none;
+  return cache[static_cast<size_t>(index)];
+}
+
+int32_t element_type(int32_t dtype) {
+  switch (dtype) {
+    case GLA_DTYPE_F32: return cuda::kF32;
+    case GLA_DTYPE_F16: return cuda::kF16;
+    case GLA_DTYPE_BF16: return cuda::kBF16;
+    default: return -1;
+  }
+}
+
+// Makes the problem's device current for the scope of a call.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != index) {
+      if (cudaSetDevice(index) == cudaSuccess) restore_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+void copy_strides(const gla_tensor& t, int64_t* out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = t.strides[i];
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+cuda::ForwardParams make_params(const gla_problem& p) {
+  cuda::ForwardParams f{};
+  f.q = p.q.data;
+  f.k = p.k.data;
+  f.v = p.v.data;
+  f.g = p.g.data;
+  f.o = p.o.data;
+  copy_strides(p.q, f.q_stride, 3);
+  copy_strides(p.k, f.k_stride, 3);
+  copy_strides(p.v, f.v_stride, 3);
+  copy_strides(p.g, f.g_stride, 3);
+  copy_strides(p.o, f.o_stride, 3);
+  f.initial_state = present(p.initial_state) ? static_cast<const float*>(p.initial_state.data) : nullptr;
+  f.final_state = present(p.final_state) ? static_cast<float*>(p.final_state.data) : nullptr;
+  if (f.initial_state) copy_strides(p.initial_state, f.h0_stride, 4);
+  if (f.final_state) copy_strides(p.final_state, f.ht_stride, 4);
+  f.state_v_first = p.state_v_first;
+  f.varlen = p.varlen;
+  f.cu_seqlens = p.varlen ? p.cu_seqlens.data : nullptr;
+  f.cu_seqlens_int64 = p.varlen && p.cu_seqlens.dtype == GLA_DTYPE_I64;
+  f.B = p.B;
+  f.T = p.T;
+  f.H = p.H;
+  f.K = p.K;
+  f.V = p.V;
+  f.N = p.N;
+  f.scale = static_cast<float>(p.scale);
+  f.dtype = element_type(p.dtype);
+  f.gate_dtype = element_type(p.gate_dtype);
+  f.gate_per_head = p.gate_per_head;
+  // cp.async moves 16-byte pieces: rows must start 16-byte aligned and K, V be multiples of 8.
+  bool vec = p.K % 8 == 0 && p.V % 8 == 0;
+  for (const gla_tensor* t : {&p.q, &p.k, &p.v, &p.o}) {
+    vec = vec && aligned16(t->data);
+    for (int i = 0; i < 3; ++i) vec = vec && t->strides[i] % 8 == 0;
+  }
+  if (!p.gate_per_head) {
+    vec = vec && aligned16(p.g.data);
+    for (int i = 0; i < 3; ++i) vec = vec && p.g.strides[i] % 8 == 0;
+  }
+  f.vector_loads = vec ? 1 : 0;
+  return f;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  std::string name() const override { return "cuda"; }
+  int priority() const override { return 10; }
+  bool serves_device(int32_t device_type) const override { return device_type == GLA_DEVICE_CUDA; }
+  bool implements(int32_t unit) const override { return unit == GLA_UNIT_CHUNK_FWD; }
+
+  Verdict available() const override {
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return Verdict::no(std::string("CUDA runtime reports no usable driver or device: ") + cudaGetErrorString(err));
+    }
+    if (count == 0) return Verdict::no("no CUDA device present");
+    return Verdict::yes();
+  }
+
+  Verdict verify(const gla_problem& p) const override {
+    if (p.backward || p.unit != GLA_UNIT_CHUNK_FWD) {
+      return Verdict::no("only the chunk forward is implemented on CUDA so far (backward: not yet)");
+    }
+    const DeviceInfo& d = device_info(p.device_index);
+    if (!d.ok) return Verdict::no("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
+    if (d.major < 8) {
+      return Verdict::no("compute capability " + std::to_string(d.major) + "." + std::to_string(d.minor) +
+                         " < 8.0 (kernels need sm_80+)");
+    }
+    if (element_type(p.dtype) < 0 || element_type(p.gate_dtype) < 0) return Verdict::no("dtype not fp32/fp16/bf16");
+    if (p.K > 512) return Verdict::no("K=" + std::to_string(p.K) + " > 512 supported by the CUDA kernels");
+    struct Named {
+      const char* name;
+      const gla_tensor* t;
+    };
+    for (const Named& x : {Named{"q", &p.q}, Named{"k", &p.k}, Named{"v", &p.v}, Named{"o", &p.o}}) {
+      if (x.t->strides[3] != 1 && x.t->sizes[3] != 1) {
+        return Verdict::no(std::string(x.name) + " needs a contiguous last dimension (stride 1), got stride " +
+                           std::to_string(x.t->strides[3]));
+      }
+    }
+    if (!p.gate_per_head && p.g.strides[3] != 1 && p.g.sizes[3] != 1) {
+      return Verdict::no("g needs a contiguous last dimension (stride 1), got stride " + std::to_string(p.g.strides[3]));
+    }
+    if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) {
+      return Verdict::no("cu_seqlens must be in CUDA device memory");
+    }
+    const int64_t value_tiles = (p.V + 31) / 32;
+    if (p.H * value_tiles > 65535) return Verdict::no("H * ceil(V/32) > 65535 (grid limit)");
+    if (p.N > (int64_t(1) << 24)) return Verdict::no("more than 2^24 sequences");
+    return Verdict::yes();
+  }
+
+  size_t workspace_size(const gla_problem& p) const override {
+    const cuda::ForwardParams f = make_params(p);
+    return cuda::plan_forward(f, p.seq_offsets, device_info(p.device_index).sm_count).workspace_bytes;
+  }
+
+  void run(const gla_problem& p) override {
+    DeviceGuard guard(p.device_index);
+    const cuda::ForwardParams f = make_params(p);
+    const cuda::ForwardPlan plan = cuda::plan_forward(f, p.seq_offsets, device_info(p.device_index).sm_count);
+    void* workspace = p.workspace;
+    bool owned = false;
+    auto stream = static_cast<cudaStream_t>(p.stream);
+    if (plan.workspace_bytes > 0 && (workspace == nullptr || p.workspace_bytes < plan.workspace_bytes)) {
+      workspace = allocate(p, plan.workspace_bytes);
+      owned = true;
+    }
+    const cudaError_t err = cuda::launch_forward(f, plan, workspace, stream);
+    if (owned) deallocate(p, workspace);
+    if (err != cudaSuccess) {
+      fail(GLA_STATUS_BACKEND_ERROR, std::string("cuda forward launch failed: ") + cudaGetErrorString(err));
+    }
+  }
+
+  void* allocate(const gla_problem& p, size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    DeviceGuard guard(p.device_index);
+    void* ptr = nullptr;
+    const cudaError_t err = cudaMallocAsync(&ptr, bytes, static_cast<cudaStream_t>(p.stream));
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      fail(GLA_STATUS_OUT_OF_MEMORY, "cudaMallocAsync of " + std::to_string(bytes) + " bytes failed: " +
+                                         cudaGetErrorString(err));
+    }
+    return ptr;
+  }
+
+  void deallocate(const gla_problem& p, void* pointer) override {
+    if (!pointer) return;
+    DeviceGuard guard(p.device_index);
+    cudaFreeAsync(pointer, static_cast<cudaStream_t>(p.stream));
+  }
+
+  void copy_to_host(const gla_problem& p, const void* device_src, void* host_dst, size_t bytes) override {
+    DeviceGuard guard(p.device_index);
+    auto stream = static_cast<cudaStream_t>(p.stream);
+    cudaError_t err = cudaMemcpyAsync(host_dst, device_src, bytes, cudaMemcpyDeviceToHost, stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess) {
+      fail(GLA_STATUS_BACKEND_ERROR, std::string("device-to-host copy failed: ") + cudaGetErrorString(err));
+    }
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+
+}  // namespace gla

@@ -1,0 +1,278 @@
+// The cuda backend's chunk forward against the reference backend, through the public C API with
+// tensors in CUDA memory: the SPEC.md §5 grid, varlen with empty and length-1 sequences, long
+// sequences (segment split), strong decay, both state layouts, fp32 gates and per-head gates.
+// Outputs are NaN-poisoned before every call, so an unwritten element fails the comparison.
+// Skips with a message where no CUDA device is present.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+
+#ifdef GLA_TESTS_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace gla::test {
+namespace {
+
+#ifdef GLA_TESTS_WITH_CUDA
+
+bool cuda_backend_available(std::string& why) {
+  for (int32_t i = 0; i < gla_backend_count(); ++i) {
+    const char* name = nullptr;
+    const char* reason = nullptr;
+    int32_t priority = 0, available = 0;
+    if (gla_backend_info(i, &name, &priority, &available, &reason) != GLA_STATUS_OK) continue;
+    if (std::string(name) == "cuda") {
+      why = reason ? reason : "";
+      return available != 0;
+    }
+  }
+  why = "the cuda backend is not built into this libgla";
+  return false;
+}
+
+#define SKIP_WITHOUT_CUDA()                                                          \
+  do {                                                                               \
+    std::string why_;                                                                \
+    if (!cuda_backend_available(why_)) GTEST_SKIP() << "no CUDA backend/device: " << why_; \
+  } while (0)
+
+// A device copy of a host tensor (same sizes and contiguous strides).
+struct DeviceTensor {
+  void* ptr = nullptr;
+  gla_tensor t{};
+  size_t bytes = 0;
+  DeviceTensor() = default;
+  explicit DeviceTensor(const HostTensor& h, bool copy = true) {
+    t = h.t;
+    bytes = static_cast<size_t>(numel(h.t) * dtype_size(h.t.dtype));
+    EXPECT_EQ(cudaMalloc(&ptr, bytes > 0 ? bytes : 16), cudaSuccess);
+    if (copy && bytes) EXPECT_EQ(cudaMemcpy(ptr, h.t.data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    if (!copy) EXPECT_EQ(cudaMemset(ptr, 0xff, bytes > 0 ? bytes : 16), cudaSuccess);  // NaN poison
+    t.data = ptr;
+    t.device_type = GLA_DEVICE_CUDA;
+    t.device_index = 0;
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  ~DeviceTensor() {
+    if (ptr) cudaFree(ptr);
+  }
+  void to_host(HostTensor& h) const {
+    ASSERT_EQ(cudaMemcpy(h.t.data, ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+};
+
+struct CudaRun {
+  gla_status status;
+  std::string error;
+  Outputs out;
+};
+
+// Runs the forward on the cuda backend (forced) with device tensors; copies outputs back.
+CudaRun run_cuda(const Inputs& in, bool host_offsets = true) {
+  const Case& c = in.c;
+  CudaRun r;
+  r.out.o = HostTensor(c.dtype, {c.B, c.T, c.H, c.V});
+  if (c.final_state) {
+    r.out.ht = HostTensor(GLA_DTYPE_F32, c.state_v_first ? std::vector<int64_t>{in.N, c.H, c.V, c.K}
+                                                         : std::vector<int64_t>{in.N, c.H, c.K, c.V});
+  }
+  DeviceTensor q(in.q), k(in.k), v(in.v), g(in.g);
+  DeviceTensor o(r.out.o, false);
+  std::unique_ptr<DeviceTensor> h0, ht, cu;
+  if (!in.h0.empty()) h0 = std::make_unique<DeviceTensor>(in.h0);
+  if (c.final_state) ht = std::make_unique<DeviceTensor>(r.out.ht, false);
+  if (!in.cu.empty()) cu = std::make_unique<DeviceTensor>(in.cu);
+  gla_chunk_forward_args a{};
+  a.q = &q.t;
+  a.k = &k.t;
+  a.v = &v.t;
+  a.g = &g.t;
+  a.initial_state = h0 ? &h0->t : nullptr;
+  a.cu_seqlens = cu ? &cu->t : nullptr;
+  a.cu_seqlens_host = (cu && host_offsets) ? in.cu.desc() : nullptr;
+  a.o = &o.t;
+  a.final_state = ht ? &ht->t : nullptr;
+  gla_options opt;
+  gla_options_init(&opt);
+  opt.state_v_first = c.state_v_first;
+  opt.backend = "cuda";
+  r.status = gla_chunk_forward(&a, &opt);
+  r.error = gla_last_error();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  o.to_host(r.out.o);
+  if (ht) ht->to_host(r.out.ht);
+  return r;
+}
+
+double tolerance(int32_t dtype) { return dtype == GLA_DTYPE_F32 ? 1e-3 : 5e-3; }
+
+void check_case(const Case& c, bool host_offsets = true) {
+  SCOPED_TRACE(c.label());
+  const Inputs in = make_inputs(c);
+  Outputs ref;
+  ASSERT_EQ(run_forward(in, ref, RunOptions{"reference"}), GLA_STATUS_OK) << gla_last_error();
+  CudaRun got = run_cuda(in, host_offsets);
+  ASSERT_EQ(got.status, GLA_STATUS_OK) << got.error;
+  std::string report;
+  const double err = max_error(got.out, ref, false, report);
+  EXPECT_TRUE(all_finite(got.out.o)) << "unwritten or non-finite o";
+  if (!got.out.ht.empty()) EXPECT_TRUE(all_finite(got.out.ht)) << "unwritten or non-finite final state";
+  EXPECT_LT(err, tolerance(c.dtype)) << report;
+}
+
+class CudaForwardGrid : public ::testing::TestWithParam<int32_t> {};
+
+TEST_P(CudaForwardGrid, SpecGridMatchesReference) {
+  SKIP_WITHOUT_CUDA();
+  for (Case c : spec_grid_cases(GetParam())) check_case(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForwardGrid,
+                         ::testing::Values(GLA_DTYPE_BF16, GLA_DTYPE_F16, GLA_DTYPE_F32),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+Case base_case(int32_t dtype, int64_t B, int64_t T, int64_t H, int64_t D) {
+  Case c;
+  c.B = B; c.T = T; c.H = H; c.K = D; c.V = D; c.dtype = dtype;
+  return c;
+}
+
+TEST(CudaForward, FullLengthShapes) {
+  SKIP_WITHOUT_CUDA();
+  for (int32_t dt : {GLA_DTYPE_BF16, GLA_DTYPE_F16}) {
+    for (double n : {0.1, 1.0, 10.0}) {
+      Case c = base_case(dt, 2, 1024, 2, 128);
+      c.normaliser = n;
+      check_case(c);
+    }
+    check_case(base_case(dt, 2, 2048, 2, 64));
+    check_case(base_case(dt, 1, 128, 2, 256));
+  }
+}
+
+TEST(CudaForward, StrongDecayAndRandn) {
+  SKIP_WITHOUT_CUDA();
+  for (int32_t dt : {GLA_DTYPE_BF16, GLA_DTYPE_F16}) {
+    Case c = base_case(dt, 1, 700, 2, 128);
+    c.normaliser = 0.1;
+    c.gate_floor = -20;
+    check_case(c);
+    Case r = base_case(dt, 1, 700, 2, 64);
+    r.randn_inputs = true;
+    check_case(r);
+  }
+}
+
+TEST(CudaForward, GateVariantsAndLayouts) {
+  SKIP_WITHOUT_CUDA();
+  Case c = base_case(GLA_DTYPE_BF16, 2, 300, 2, 128);
+  c.gate_f32 = true;
+  check_case(c);
+  c.per_head_gate = true;
+  check_case(c);
+  c.gate_f32 = false;
+  check_case(c);
+  c.per_head_gate = false;
+  c.state_v_first = true;
+  check_case(c);
+  Case d = base_case(GLA_DTYPE_BF16, 2, 1024, 2, 128);
+  d.state_v_first = true;
+  check_case(d);
+  Case e = base_case(GLA_DTYPE_F16, 2, 256, 2, 64);
+  e.state_v_first = true;
+  check_case(e);
+}
+
+TEST(CudaForward, KNotEqualV) {
+  SKIP_WITHOUT_CUDA();
+  for (auto kv : {std::pair<int64_t, int64_t>{64, 128}, {128, 64}, {100, 36}, {128, 256}, {32, 200}}) {
+    Case c = base_case(GLA_DTYPE_BF16, 1, 333, 2, 64);
+    c.K = kv.first;
+    c.V = kv.second;
+    check_case(c);
+  }
+  Case n = base_case(GLA_DTYPE_BF16, 1, 333, 2, 64);
+  n.initial_state = false;
+  n.final_state = false;
+  check_case(n);
+}
+
+TEST(CudaForward, VarlenEmptyAndSingleTokenSequences) {
+  SKIP_WITHOUT_CUDA();
+  const std::vector<std::vector<int64_t>> cus = {
+      {0, 15}, {0, 0, 16}, {0, 256, 500, 1000}, {0, 15, 100, 300, 1200, 2000},
+      {0, 1, 1, 2, 3000, 3000, 3001, 9000}};
+  for (int32_t dt : {GLA_DTYPE_BF16, GLA_DTYPE_F16}) {
+    for (const auto& cu : cus) {
+      for (int64_t D : {64, 100, 128}) {
+        Case c = base_case(dt, 1, cu.back(), 2, D);
+        c.cu_seqlens = cu;
+        check_case(c);
+      }
+    }
+  }
+  // Without a host copy of cu_seqlens the dispatcher copies it (one host synchronisation).
+  Case c = base_case(GLA_DTYPE_BF16, 1, 2000, 2, 64);
+  c.cu_seqlens = {0, 15, 100, 300, 1200, 2000};
+  check_case(c, /*host_offsets=*/false);
+}
+
+TEST(CudaForward, LongSequencesSplitIntoSegments) {
+  SKIP_WITHOUT_CUDA();
+  Case c = base_case(GLA_DTYPE_BF16, 1, 65536 + 37, 1, 64);
+  check_case(c);
+  Case d = base_case(GLA_DTYPE_BF16, 1, 20000, 1, 128);
+  d.state_v_first = true;
+  check_case(d);
+}
+
+TEST(CudaForward, Deterministic) {
+  SKIP_WITHOUT_CUDA();
+  Case c = base_case(GLA_DTYPE_BF16, 1, 9000, 2, 128);
+  const Inputs in = make_inputs(c);
+  CudaRun a = run_cuda(in), b = run_cuda(in);
+  ASSERT_EQ(a.status, GLA_STATUS_OK) << a.error;
+  EXPECT_EQ(a.out.o.bytes, b.out.o.bytes);
+  EXPECT_EQ(a.out.ht.bytes, b.out.ht.bytes);
+}
+
+TEST(CudaForward, DeclinesBackwardAndStridedLastDim) {
+  SKIP_WITHOUT_CUDA();
+  const char* text = nullptr;
+  Case c = base_case(GLA_DTYPE_BF16, 1, 64, 1, 64);
+  const Inputs in = make_inputs(c);
+  DeviceTensor q(in.q), k(in.k), v(in.v), g(in.g), o(HostTensor(c.dtype, {1, 64, 1, 64}), false);
+  gla_tensor qs = q.t;  // same memory read with a non-unit last stride
+  qs.sizes[3] = 32;
+  qs.strides[3] = 2;
+  gla_tensor ks = k.t, gs = g.t;
+  ks.sizes[3] = 32;
+  ks.strides[3] = 2;
+  gs.sizes[3] = 32;
+  gs.strides[3] = 2;
+  gla_chunk_forward_args a{};
+  a.q = &qs;
+  a.k = &ks;
+  a.v = &v.t;
+  a.g = &gs;
+  a.o = &o.t;
+  gla_options opt;
+  gla_options_init(&opt);
+  ASSERT_EQ(gla_explain(&a, nullptr, &opt, &text), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_NE(std::string(text).find("contiguous last dimension"), std::string::npos) << text;
+}
+
+#else
+
+TEST(CudaForward, SkippedWithoutCuda) { GTEST_SKIP() << "libgla was built without CUDA: GPU tests skipped"; }
+
+#endif
+
+}  // namespace
+}  // namespace gla::test
