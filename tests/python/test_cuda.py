@@ -109,9 +109,9 @@ def test_cuda_mixed_devices_are_rejected():
         gla.chunk_gla(x["q"], x["k"].cpu(), x["v"], x["g"])
 
 
-def _capture_and_replay(backend):
+def _capture_and_replay(backend, dtype=torch.float32):
     cu = [0, 100, 100, 333]
-    base = make_inputs(B=1, T=333, H=2, K=64, cu_seqlens=cu, seed=1)
+    base = make_inputs(B=1, T=333, H=2, K=64, cu_seqlens=cu, seed=1, dtype=dtype)
     x = _to(base, "cuda")
     static = {n: x[n].clone() for n in ("q", "k", "v", "g", "initial_state", "do", "dht")}
     leaves = [static[n].requires_grad_() for n in ("q", "k", "v", "g", "initial_state")]
@@ -133,7 +133,7 @@ def _capture_and_replay(backend):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = step()
-        fresh = _to(make_inputs(B=1, T=333, H=2, K=64, cu_seqlens=cu, seed=2), "cuda")
+        fresh = _to(make_inputs(B=1, T=333, H=2, K=64, cu_seqlens=cu, seed=2, dtype=dtype), "cuda")
         with torch.no_grad():
             for n in ("q", "k", "v", "g", "initial_state", "do", "dht"):
                 static[n].copy_(fresh[n])
@@ -148,11 +148,20 @@ def test_cuda_graph_capture_torch_backend():
     _capture_and_replay("torch")
 
 
-def test_cuda_graph_capture_cuda_backend():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_graph_capture_cuda_backend(dtype):
+    """Default dispatch, where the native cuda backend serves what it accepts (the torch backend
+    the rest, e.g. the backward before the cuda backend has one)."""
     names = [b.name for b in gla.backends() if b.available]
     if "cuda" not in names:
         pytest.skip("no native cuda backend in this build of libgla")
-    _capture_and_replay(None)
+    x = _to(make_inputs(B=1, T=333, H=2, K=64, cu_seqlens=[0, 100, 100, 333], dtype=dtype), "cuda")
+    text = gla.explain(x["q"], x["k"], x["v"], x["g"], initial_state=x["initial_state"], output_final_state=True,
+                       cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=[0, 100, 100, 333])
+    if "decision: cuda" not in text:
+        pytest.skip("the cuda backend declines this forward: "
+                    + next(line.strip() for line in text.splitlines() if line.startswith("decision")))
+    _capture_and_replay(None, dtype)
 
 
 def test_cuda_opcheck():
