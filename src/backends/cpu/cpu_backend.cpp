@@ -175,10 +175,11 @@ class CpuBackend final : public Backend {
 
   void run(const gla_problem& p) override {
     const KernelTable& kernels = select_kernels();
-    const int64_t items = kernels.item_count(p);
+    const int budget = thread_budget();
+    const int64_t items = kernels.item_count(p, budget);
     if (items <= 0) return;
-    const size_t floats = kernels.scratch_floats(p);
-    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(thread_budget(), items));
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(budget, items));
+    const size_t floats = kernels.scratch_floats(p, budget);
 
     std::vector<Buffer> scratch;
     try {
@@ -201,7 +202,7 @@ class CpuBackend final : public Backend {
       try {
         FlushDenormals ftz;
         float* s = scratch[static_cast<size_t>(id)].data.get();
-        for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) kernels.run_item(p, i, s);
+        for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) kernels.run_item(p, budget, i, s);
       } catch (...) {
         std::lock_guard lock(error_mutex);
         if (!error) error = std::current_exception();

@@ -25,11 +25,12 @@ inline constexpr int64_t kMaxValueTile = 128;
 
 struct KernelTable {
   const char* isa;
+  // `threads` (the pool size) may change how work is grouped into items, never a result.
   // Independent work items of the unit (each writes only its own outputs).
-  int64_t (*item_count)(const gla_problem& problem);
+  int64_t (*item_count)(const gla_problem& problem, int threads);
   // Floats of private scratch one item needs.
-  size_t (*scratch_floats)(const gla_problem& problem);
-  void (*run_item)(const gla_problem& problem, int64_t item, float* scratch);
+  size_t (*scratch_floats)(const gla_problem& problem, int threads);
+  void (*run_item)(const gla_problem& problem, int threads, int64_t item, float* scratch);
 };
 
 namespace avx512 {

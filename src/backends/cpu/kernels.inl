@@ -190,18 +190,36 @@ inline void copy_to_chunk_state(const gla_problem& p, const gla_tensor& s, int64
   for (int64_t i = 0; i < p.K; ++i) store_row(s, (dst - static_cast<float*>(s.data)) + i * s.strides[2], s.strides[3], p.V, src + i * p.V);
 }
 
-// b (L x K): chunk-local inclusive cumulative gate in log2 units, from g (per-key, or per-head
-// broadcast over K), accumulated in fp64 and returned as hi + lo (see Gates). run: K doubles.
-inline void gate_cumsum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, float* b, float* blo,
-                        double* run) {
+inline int64_t element_offset(const gla_tensor& x, int64_t batch, int64_t t, int64_t head, int64_t d) {
+  return batch * x.strides[0] + t * x.strides[1] + head * x.strides[2] + (x.rank == 4 ? d * x.strides[3] : 0);
+}
+// Rows [t0, t0 + L) of heads [h0, h0 + G) of a [B, T, H, D] (or [B, T, H]) tensor, columns
+// [d0, d0 + cols): head j's tile at dst + j * tile, row r at + r * ld. Rows outer, heads inner:
+// neighbouring heads are neighbours in memory, so the source is read in address order (the
+// hardware prefetchers follow it; one head alone jumps a page per row).
+inline void load_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t L, int64_t h0, int64_t G, int64_t d0,
+                       int64_t cols, float* dst, int64_t tile, int64_t ld) {
+  const int64_t stride = x.rank == 4 ? x.strides[3] : 0;
+  for (int64_t r = 0; r < L; ++r) {
+    for (int64_t j = 0; j < G; ++j) load_row(x, element_offset(x, batch, t0 + r, h0 + j, d0), stride, cols, dst + j * tile + r * ld);
+  }
+}
+inline void store_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t L, int64_t h0, int64_t G, int64_t d0,
+                        int64_t cols, const float* src, int64_t tile, int64_t ld) {
+  for (int64_t r = 0; r < L; ++r) {
+    for (int64_t j = 0; j < G; ++j) store_row(x, element_offset(x, batch, t0 + r, h0 + j, d0), x.strides[3], cols, src + j * tile + r * ld);
+  }
+}
+
+// b (L x K): chunk-local inclusive cumulative gate in log2 units, accumulated in fp64 and returned
+// as hi + lo (see Gates). On entry b holds the raw gate rows (a per-head gate: g at b[r * K]).
+// run: K doubles.
+inline void cumsum_gate_rows(bool per_head, int64_t L, int64_t K, float* b, float* blo, double* run) {
   constexpr double kRcpLn2d = 1.4426950408889634;
-  const int64_t K = p.K;
-  if (p.gate_per_head) {
+  if (per_head) {
     double acc = 0.0;
     for (int64_t r = 0; r < L; ++r) {
-      float gv;
-      load_row(p.g, batch * p.g.strides[0] + (t0 + r) * p.g.strides[1] + h * p.g.strides[2], 1, 1, &gv);
-      acc += gv;
+      acc += b[r * K];
       const double x = acc * kRcpLn2d;
       const float hi = static_cast<float>(x), lo = static_cast<float>(x - hi);
       for (int64_t i = 0; i < K; ++i) b[r * K + i] = hi, blo[r * K + i] = lo;
@@ -212,7 +230,6 @@ inline void gate_cumsum(const gla_problem& p, int64_t batch, int64_t t0, int64_t
   for (int64_t r = 0; r < L; ++r) {
     float* row = b + r * K;
     float* lo = blo + r * K;
-    load_row(p.g, off4(p.g, batch, t0 + r, h, 0), p.g.strides[3], K, row);
     for (int64_t i = 0; i < K; ++i) {
       run[i] += row[i];
       const double x = run[i] * kRcpLn2d;
@@ -220,6 +237,11 @@ inline void gate_cumsum(const gla_problem& p, int64_t batch, int64_t t0, int64_t
       lo[i] = static_cast<float>(x - row[i]);
     }
   }
+}
+inline void gate_cumsum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, float* b, float* blo,
+                        double* run) {
+  load_tiles(p.g, batch, t0, L, h, 1, 0, p.gate_per_head ? 1 : p.K, b, 0, p.K);
+  cumsum_gate_rows(p.gate_per_head, L, p.K, b, blo, run);
 }
 // b from the gcum stage buffer ([B, T, H, Kg], Kg = 1 broadcast for a per-head gate); lo = 0.
 inline void load_gcum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L, int64_t h, float* b, float* blo) {
@@ -393,6 +415,7 @@ struct IntraScratch {
   float* kpt;   // K x C: keys scaled to the pivot, transposed (ld C)
   float* krow;  // kSub x K
   float* fac;   // K
+  float* kht;   // K x kSub/2
 };
 
 // A[t][s] = scale * sum_k q_tk k_sk 2^(b_tk - b_sk) for s <= t < L; 0 for t < s < zero_to.
@@ -420,11 +443,26 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
       for (int64_t t = 0; t < ni; ++t) scale_exp2_rows(g, q + (r0 + t) * K, r0 + t, r0, scale, s.qp + t * K);
       gemm(ni, r0, K, s.qp, K, 1, s.kpt, C, A + r0 * C, C, false);
     }
+    // Diagonal block.
+    // Without `wd` (the forward), the block's lower-left quarter (rows >= 8, keys < 8) goes through
+    // one more pivot, at its row 8: (q_t 2^(b_t - b_8)) . (k_s 2^(b_8 - b_s)), both exponents
+    // <= 0 as everywhere else, and 64 of the block's 136 element-wise pairs (each a K-vector of
+    // exp2) become one 8 x 8 x K product. The backward keeps the block element-wise because it
+    // reuses the weights for dq and dk.
+    constexpr int64_t kHalf = kSub / 2;
+    const bool split = wd == nullptr && ni > kHalf;
+    if (split) {
+      const int64_t pivot = r0 + kHalf;
+      for (int64_t t = kHalf; t < ni; ++t) scale_exp2_rows(g, q + (r0 + t) * K, r0 + t, pivot, scale, s.qp + (t - kHalf) * K);
+      for (int64_t u = 0; u < kHalf; ++u) scale_exp2_rows(g, k + (r0 + u) * K, pivot, r0 + u, 1.0f, s.krow + u * K);
+      transpose(kHalf, K, s.krow, K, s.kht, kHalf);
+      gemm(ni - kHalf, kHalf, K, s.qp, K, 1, s.kht, kHalf, A + (r0 + kHalf) * C + r0, C, false);
+    }
     float* w = wd ? wd + i * kPairs * K : nullptr;
     for (int64_t t = 0; t < ni; ++t) {
       const float* qt = q + (r0 + t) * K;
       float* arow = A + (r0 + t) * C;
-      for (int64_t u = 0; u <= t; ++u) {
+      for (int64_t u = (split && t >= kHalf) ? kHalf : 0; u <= t; ++u) {
         const float* ks = k + (r0 + u) * K;
         float* wp = w ? w + (t * (t + 1) / 2 + u) * K : nullptr;
         vf acc = vzero();
@@ -702,6 +740,15 @@ inline int64_t value_tile_width(const gla_problem& p) {
   const int64_t n = value_tiles(p);
   return (p.V + n - 1) / n;
 }
+// Heads one forward item walks together, chunk by chunk (see load_tiles). Only the order of work
+// depends on it (and so on the thread count), never a result. 4 heads of K = V = 128 keep their
+// states and tiles (~0.8 MB) in L2.
+inline constexpr int64_t kMaxHeadGroup = 4;
+inline int64_t head_group(const gla_problem& p, int threads) {
+  if (p.unit != GLA_UNIT_CHUNK_FWD) return 1;
+  const int64_t per_thread = p.N * p.H * value_tiles(p) / (2 * std::max(threads, 1));
+  return std::max<int64_t>(1, std::min({kMaxHeadGroup, p.H, per_thread}));
+}
 inline bool is_stage(int32_t unit) { return unit >= GLA_UNIT_CUMSUM && unit <= GLA_UNIT_BWD_DQKG; }
 inline int64_t chunk_of(const gla_problem& p) { return is_stage(p.unit) ? p.chunk_size : kChunk; }
 inline int64_t max_chunks_per_sequence(const gla_problem& p, int64_t C) {
@@ -719,23 +766,24 @@ struct Tiles {
   float* vt;
 };
 
-inline Tiles carve(const gla_problem& p, float* base, size_t* total) {
+// Per-head tiles (q, k, b, blo, v, o, S) are `group` heads long, head j at + j * (their size).
+inline Tiles carve(const gla_problem& p, int64_t group, float* base, size_t* total) {
   Arena a(base);
   Tiles t{};
-  const int64_t K = p.K, V = p.V, C = chunk_of(p);
+  const int64_t K = p.K, V = p.V, C = chunk_of(p), G = group;
   const int64_t nsub = (C + kSub - 1) / kSub;
   const int64_t bv = p.unit == GLA_UNIT_CHUNK_FWD ? value_tile_width(p) : V;
-  t.q = a.take(C * K);
-  t.k = a.take(C * K);
-  t.b = a.take(C * K);
-  t.blo = a.take(C * K);
+  t.q = a.take(G * C * K);
+  t.k = a.take(G * C * K);
+  t.b = a.take(G * C * K);
+  t.blo = a.take(G * C * K);
   t.rund = reinterpret_cast<double*>(a.take(2 * K));  // used only as doubles
-  t.v = a.take(C * bv);
+  t.v = a.take(G * C * bv);
   t.dout = a.take(C * V);
   t.A = a.take(C * C);
   t.dA = a.take(C * C);
-  t.o = a.take(C * bv);
-  t.S = a.take(K * bv);
+  t.o = a.take(G * C * bv);
+  t.S = a.take(G * K * bv);
   t.dS = a.take(K * V);
   t.wd = a.take(nsub * kPairs * K);
   t.dq = a.take(C * K);
@@ -745,7 +793,7 @@ inline Tiles carve(const gla_problem& p, float* base, size_t* total) {
   t.kl = a.take(C * K);
   t.run = a.take(K);
   t.vt = a.take(V * C);
-  t.intra = {a.take(kSub * K), a.take(K * C), a.take(kSub * K), a.take(K)};
+  t.intra = {a.take(kSub * K), a.take(K * C), a.take(kSub * K), a.take(K), a.take(K * kSub / 2)};
   t.dqk = {a.take(C * K), a.take(C * K), a.take(C * K), a.take(K), a.take(K)};
   t.inter = {a.take(V * K), a.take(V * K), a.take(C * K), a.take(C * K), a.take(K),
              reinterpret_cast<double*>(a.take(2 * K))};  // acc: used only as doubles
@@ -765,35 +813,44 @@ inline void load_initial_state(const gla_problem& p, int64_t n, int64_t h, int64
   }
 }
 
-// Whole forward: item = (sequence, head, value tile).
-inline void run_forward(const gla_problem& p, int64_t item, const Tiles& t) {
-  const int64_t nt = value_tiles(p), bw = value_tile_width(p);
-  const int64_t vt = item % nt, h = (item / nt) % p.H, n = item / nt / p.H;
+// Whole forward: item = (sequence, group of heads, value tile); the group walks its chunks together.
+inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const Tiles& t) {
+  const int64_t nt = value_tiles(p), bw = value_tile_width(p), ngroups = (p.H + group - 1) / group;
+  const int64_t vt = item % nt, hg = (item / nt) % ngroups, n = item / nt / ngroups;
+  const int64_t h0 = hg * group, G = std::min(group, p.H - h0);
   const int64_t v0 = vt * bw, bv = std::min(bw, p.V - v0);
   const Span sp = span_of(p, n);
   const int64_t K = p.K, C = kChunk;
+  const int64_t ck = C * K, cv = C * bv, kv = K * bv;
   const float scale = static_cast<float>(p.scale);
-  const Gates gates{t.b, t.blo, K};
-  load_initial_state(p, n, h, v0, bv, t.S);
+  for (int64_t j = 0; j < G; ++j) load_initial_state(p, n, h0 + j, v0, bv, t.S + j * kv);
   for (int64_t c0 = 0; c0 < sp.length; c0 += C) {
     const int64_t L = std::min(C, sp.length - c0), t0 = sp.start + c0;
-    load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
-    load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
-    load_tile(p.v, sp.batch, t0, L, h, v0, bv, t.v, bv);
-    gate_cumsum(p, sp.batch, t0, L, h, t.b, t.blo, t.rund);
-    if (c0 + C < sp.length) {
-      const int64_t next = std::min(C, sp.length - c0 - C);
-      prefetch_tile(p.q, sp.batch, t0 + C, next, h, 0, K);
-      prefetch_tile(p.k, sp.batch, t0 + C, next, h, 0, K);
-      prefetch_tile(p.v, sp.batch, t0 + C, next, h, v0, bv);
-      prefetch_tile(p.g, sp.batch, t0 + C, next, h, 0, p.gate_per_head ? 1 : K);
+    load_tiles(p.q, sp.batch, t0, L, h0, G, 0, K, t.q, ck, K);
+    load_tiles(p.k, sp.batch, t0, L, h0, G, 0, K, t.k, ck, K);
+    load_tiles(p.v, sp.batch, t0, L, h0, G, v0, bv, t.v, cv, bv);
+    load_tiles(p.g, sp.batch, t0, L, h0, G, 0, p.gate_per_head ? 1 : K, t.b, ck, K);
+    for (int64_t j = 0; j < G; ++j) {
+      if (c0 + C < sp.length) {  // next chunk of this head, while this one computes
+        const int64_t next = std::min(C, sp.length - c0 - C);
+        prefetch_tile(p.q, sp.batch, t0 + C, next, h0 + j, 0, K);
+        prefetch_tile(p.k, sp.batch, t0 + C, next, h0 + j, 0, K);
+        prefetch_tile(p.v, sp.batch, t0 + C, next, h0 + j, v0, bv);
+        prefetch_tile(p.g, sp.batch, t0 + C, next, h0 + j, 0, p.gate_per_head ? 1 : K);
+      }
+      float *q = t.q + j * ck, *k = t.k + j * ck, *b = t.b + j * ck, *blo = t.blo + j * ck;
+      float *v = t.v + j * cv, *o = t.o + j * cv, *S = t.S + j * kv;
+      cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
+      const Gates gates{b, blo, K};
+      intra_attention(L, K, C, scale, q, k, gates, t.A, std::min(C, (L + kSub - 1) / kSub * kSub), nullptr, t.intra);
+      chunk_output(L, K, bv, C, scale, q, gates, S, t.A, v, o, t.kl);
+      state_step(L, K, bv, k, gates, v, S, S, t.kl, t.run);
     }
-    intra_attention(L, K, C, scale, t.q, t.k, gates, t.A, std::min(C, (L + kSub - 1) / kSub * kSub), nullptr, t.intra);
-    chunk_output(L, K, bv, C, scale, t.q, gates, t.S, t.A, t.v, t.o, t.kl);
-    store_tile(p.o, sp.batch, t0, L, h, v0, bv, t.o, bv);
-    state_step(L, K, bv, t.k, gates, t.v, t.S, t.S, t.kl, t.run);
+    store_tiles(p.o, sp.batch, t0, L, h0, G, v0, bv, t.o, cv, bv);
   }
-  if (has(p.final_state)) store_state(p, p.final_state, n, h, v0, bv, t.S);
+  if (has(p.final_state)) {
+    for (int64_t j = 0; j < G; ++j) store_state(p, p.final_state, n, h0 + j, v0, bv, t.S + j * kv);
+  }
 }
 
 // Whole backward: item = (sequence, head). A forward pass recomputes the chunk-start states, then a
@@ -1028,20 +1085,24 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
 // ---------------------------------------------------------------------------------------------
 // The table
 // ---------------------------------------------------------------------------------------------
-inline int64_t item_count(const gla_problem& p) {
-  if (p.unit == GLA_UNIT_CHUNK_FWD) return p.N * p.H * value_tiles(p);
+inline int64_t item_count(const gla_problem& p, int threads) {
+  if (p.unit == GLA_UNIT_CHUNK_FWD) {
+    const int64_t group = head_group(p, threads);
+    return p.N * ((p.H + group - 1) / group) * value_tiles(p);
+  }
   return p.N * p.H;
 }
-inline size_t scratch_floats(const gla_problem& p) {
+inline size_t scratch_floats(const gla_problem& p, int threads) {
   size_t total = 0;
-  carve(p, nullptr, &total);
+  carve(p, head_group(p, threads), nullptr, &total);
   return total;
 }
-inline void run_item(const gla_problem& p, int64_t item, float* scratch) {
+inline void run_item(const gla_problem& p, int threads, int64_t item, float* scratch) {
   size_t total = 0;
-  const Tiles t = carve(p, scratch, &total);
+  const int64_t group = head_group(p, threads);
+  const Tiles t = carve(p, group, scratch, &total);
   if (p.unit == GLA_UNIT_CHUNK_FWD) {
-    run_forward(p, item, t);
+    run_forward(p, item, group, t);
   } else if (p.unit == GLA_UNIT_CHUNK_BWD) {
     run_backward(p, item, t);
   } else {
