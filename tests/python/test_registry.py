@@ -178,3 +178,33 @@ def test_torch_backend_reregistration_is_harmless():
     torch_backend.register()
     assert "torch" in [b.name for b in gla.backends()]
     run_gla(X, backend="torch")
+
+
+def _explain_raw(device_type, hand_over):
+    """gla_explain on descriptors that claim `device_type` (metadata only: nothing is read)."""
+    import ctypes
+    q = torch.rand(1, 32, 2, 16)
+    ds = []
+    for _ in range(4):
+        d = _tensors.describe("q", q)
+        d.device_type = device_type
+        ds.append(d)
+    lib = _lib.library()
+    opts = _lib.make_options(0.25, False, "", 0)
+    text = ctypes.c_char_p()
+    args = _lib.ForwardArgs(*[ctypes.pointer(d) for d in ds])
+    with _tensors.handed_over(q if hand_over else None):
+        _lib.raise_for(lib.gla_explain(ctypes.byref(args), None, ctypes.byref(opts), ctypes.byref(text)))
+    return text.value.decode()
+
+
+@pytest.mark.parametrize("device_type,label", [(_lib.DEVICE_EXT, "ext"), (_lib.DEVICE_METAL, "metal"),
+                                               (_lib.DEVICE_ONEAPI, "oneapi")])
+def test_torch_backend_serves_devices_no_native_backend_serves(device_type, label):
+    """An Ascend NPU / MPS / XPU tensor from PyTorch: no native backend serves the device, the torch
+    backend takes it. Called from C (nothing handed over) it declines, saying why."""
+    text = _explain_raw(device_type, hand_over=True)
+    assert text.rstrip().endswith("decision: torch (whole operation)"), text
+    text = _explain_raw(device_type, hand_over=False)
+    assert "can be wrapped only when the call comes from PyTorch" in text
+    assert "decision: none" in text
