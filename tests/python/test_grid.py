@@ -162,3 +162,24 @@ def test_per_head_gate(backend):
     assert got[5].shape == x["g"].shape
     loop = token_loop(x["q"], x["k"], x["v"], x["g"], None, x["initial_state"], None, False, x["do"], x["dht"])
     check(got, loop, 1e-5, f"per-head gate ({backend or 'default'})")
+
+
+@pytest.mark.parametrize("backend", [None, "torch", "reference", "cpu"])
+def test_strided_inputs(backend):
+    """Views as models produce them (q, k, v sliced out of one projection, a permuted gate, an
+    expanded initial state): the same answer as contiguous copies, gradients included."""
+    if backend == "cpu" and not has_backend("cpu"):
+        pytest.skip("the native cpu backend is not registered in this build of libgla")
+    x = make_inputs(B=2, T=70, H=2, K=16, V=8, seed=12)
+    qkv = torch.cat([x["q"], x["k"], x["v"]], -1).requires_grad_()
+    g = x["g"].transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    h0 = x["initial_state"][:1].clone().requires_grad_()
+    with gla.backend(backend):
+        o, ht = gla.chunk_gla(qkv[..., :16], qkv[..., 16:32], qkv[..., 32:], g, initial_state=h0.expand(2, -1, -1, -1),
+                              output_final_state=True)
+    torch.autograd.backward([o, ht], [x["do"], x["dht"]])
+    contiguous = dict(x, initial_state=x["initial_state"][:1].expand(2, -1, -1, -1).contiguous())
+    want = run_gla(contiguous, backend=backend)
+    got = (o, ht, qkv.grad[..., :16], qkv.grad[..., 16:32], qkv.grad[..., 32:], g.grad)
+    check(got, want[:6], 1e-6, "strided vs contiguous")
+    assert rel(h0.grad[0], want[6].sum(0)) < 1e-6
