@@ -36,18 +36,17 @@ def current_policy() -> int:
 
 # ---- loading and registering the torch backend, once ----
 _loaded = False
-_load_error: Optional[BaseException] = None
 _load_lock = threading.Lock()
 
 
 def ensure_loaded():
     """Loads libgla and registers the `torch` backend (once); raises ImportError if libgla is missing."""
-    global _loaded, _load_error
+    global _loaded
     if _loaded:
         return _lib.library()
     with _load_lock:
         if not _loaded:
-            lib = _lib.library()
+            _lib.library()
             from . import torch_backend
             torch_backend.register()
             _loaded = True

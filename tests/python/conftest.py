@@ -3,7 +3,6 @@ and registers the `cuda` marker (GPU tests: `pytest tests/python -m cuda`)."""
 import os
 import sys
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 try:

@@ -2,7 +2,6 @@
 exact reverse-time gradient), SPEC §5 input generation and the relative RMS error."""
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch
