@@ -255,6 +255,31 @@ TEST(CpuBackend, EveryInstructionSetPath) {
   }
 }
 
+// One thread: whole operations walk groups of up to 4 heads together (the grouping depends on the
+// thread count); every case here has N * H >= 8 so groups form, with the options that interact
+// with them.
+TEST(CpuBackend, HeadGroupsAtOneThread) {
+  if (!cpu_available()) GTEST_SKIP() << "cpu backend not built";
+  ScopedEnv threads("GLA_NUM_THREADS", "1");
+  ScopedEnv poison("GLA_CPU_POISON_SCRATCH", "1");
+  std::vector<Case> cases;
+  Case c = make_case(1, 200, 6, 48, 40, 1, GLA_DTYPE_F32, 61);
+  c.per_head_gate = true;
+  cases.push_back(c);
+  c = make_case(1, 300, 5, 64, 160, 0.1, GLA_DTYPE_BF16, 62);  // two value tiles, 5 heads: groups of 4 + 1
+  c.cu_seqlens = {0, 0, 1, 100, 300};
+  c.gate_floor = -20;
+  cases.push_back(c);
+  c = make_case(2, 130, 4, 32, 32, 1, GLA_DTYPE_F16, 63);
+  c.state_v_first = true;
+  c.gate_f32 = true;
+  cases.push_back(c);
+  for (const Case& x : cases) {
+    const Inputs in = make_inputs(x);
+    compare(run_both(in, {"cpu"}), run_both(in, {"reference"}), x.dtype, "one thread " + x.label(), false);
+  }
+}
+
 // Stage mixing: each stage unit once on cpu inside an otherwise-reference pipeline, and once on the
 // reference inside an otherwise-cpu pipeline; both must match the reference whole operation.
 TEST(CpuBackend, StagesMixWithReferenceStages) {

@@ -744,10 +744,20 @@ inline int64_t value_tile_width(const gla_problem& p) {
 // depends on it (and so on the thread count), never a result. 4 heads of K = V = 128 keep their
 // states and tiles (~0.8 MB) in L2.
 inline constexpr int64_t kMaxHeadGroup = 4;
+inline int64_t max_chunks_per_sequence(const gla_problem& p, int64_t C);
+inline int64_t value_tiles(const gla_problem& p);
+// The backward also keeps every chunk-start state of its heads: at most kMaxStateBytes for a group.
+inline constexpr int64_t kMaxStateBytes = int64_t{64} << 20;
 inline int64_t head_group(const gla_problem& p, int threads) {
-  if (p.unit != GLA_UNIT_CHUNK_FWD) return 1;
-  const int64_t per_thread = p.N * p.H * value_tiles(p) / (2 * std::max(threads, 1));
-  return std::max<int64_t>(1, std::min({kMaxHeadGroup, p.H, per_thread}));
+  if (p.unit != GLA_UNIT_CHUNK_FWD && p.unit != GLA_UNIT_CHUNK_BWD) return 1;
+  const int64_t tiles = p.unit == GLA_UNIT_CHUNK_FWD ? value_tiles(p) : 1;
+  const int64_t per_thread = p.N * p.H * tiles / (2 * std::max(threads, 1));
+  int64_t g = std::max<int64_t>(1, std::min({kMaxHeadGroup, p.H, per_thread}));
+  if (p.unit == GLA_UNIT_CHUNK_BWD) {
+    const int64_t per_head = max_chunks_per_sequence(p, kChunk) * p.K * p.V * 4;
+    while (g > 1 && g * per_head > kMaxStateBytes) --g;
+  }
+  return g;
 }
 inline bool is_stage(int32_t unit) { return unit >= GLA_UNIT_CUMSUM && unit <= GLA_UNIT_BWD_DQKG; }
 inline int64_t chunk_of(const gla_problem& p) { return is_stage(p.unit) ? p.chunk_size : kChunk; }
@@ -779,17 +789,18 @@ inline Tiles carve(const gla_problem& p, int64_t group, float* base, size_t* tot
   t.blo = a.take(G * C * K);
   t.rund = reinterpret_cast<double*>(a.take(2 * K));  // used only as doubles
   t.v = a.take(G * C * bv);
-  t.dout = a.take(C * V);
+  const int64_t Gb = p.unit == GLA_UNIT_CHUNK_BWD ? G : 1;  // per-head backward tiles
+  t.dout = a.take(Gb * C * V);
   t.A = a.take(C * C);
   t.dA = a.take(C * C);
   t.o = a.take(G * C * bv);
   t.S = a.take(G * K * bv);
-  t.dS = a.take(K * V);
+  t.dS = a.take(Gb * K * V);
   t.wd = a.take(nsub * kPairs * K);
-  t.dq = a.take(C * K);
-  t.dk = a.take(C * K);
-  t.dg = a.take(C * K);
-  t.dv = a.take(C * V);
+  t.dq = a.take(Gb * C * K);
+  t.dk = a.take(Gb * C * K);
+  t.dg = a.take(Gb * C * K);
+  t.dv = a.take(Gb * C * V);
   t.kl = a.take(C * K);
   t.run = a.take(K);
   t.vt = a.take(V * C);
@@ -797,7 +808,7 @@ inline Tiles carve(const gla_problem& p, int64_t group, float* base, size_t* tot
   t.dqk = {a.take(C * K), a.take(C * K), a.take(C * K), a.take(K), a.take(K)};
   t.inter = {a.take(V * K), a.take(V * K), a.take(C * K), a.take(C * K), a.take(K),
              reinterpret_cast<double*>(a.take(2 * K))};  // acc: used only as doubles
-  t.states = p.unit == GLA_UNIT_CHUNK_BWD ? a.take(max_chunks_per_sequence(p, C) * K * V) : nullptr;
+  t.states = p.unit == GLA_UNIT_CHUNK_BWD ? a.take(Gb * max_chunks_per_sequence(p, C) * K * V) : nullptr;
   *total = a.used();
   return t;
 }
@@ -855,72 +866,102 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
 
 // Whole backward: item = (sequence, head). A forward pass recomputes the chunk-start states, then a
 // reverse pass carries dS and finishes each chunk's dq, dk, dv, dg while its tiles are in cache.
-inline void run_backward(const gla_problem& p, int64_t item, const Tiles& t) {
-  const int64_t h = item % p.H, n = item / p.H;
+inline void run_backward(const gla_problem& p, int64_t item, int64_t group, const Tiles& t) {
+  const int64_t ngroups = (p.H + group - 1) / group;
+  const int64_t hg = item % ngroups, n = item / ngroups;
+  const int64_t h0 = hg * group, G = std::min(group, p.H - h0);
   const Span sp = span_of(p, n);
   const int64_t K = p.K, V = p.V, C = kChunk;
+  const int64_t ck = C * K, cv = C * V, kv = K * V;
+  const int64_t gk = p.gate_per_head ? 1 : K;
   const float scale = static_cast<float>(p.scale);
-  const Gates gates{t.b, t.blo, K};
   const bool want_dqk = has(p.dq) || has(p.dk) || has(p.dg);
   const int64_t nchunks = (sp.length + C - 1) / C;
+  const int64_t states_per_head = max_chunks_per_sequence(p, C) * kv;
+  // Pass 1: the chunk-start states of every head in the group.
   if (want_dqk || has(p.dv)) {
-    if (nchunks > 0) load_initial_state(p, n, h, 0, V, t.states);
+    if (nchunks > 0) {
+      for (int64_t j = 0; j < G; ++j) load_initial_state(p, n, h0 + j, 0, V, t.states + j * states_per_head);
+    }
     for (int64_t c = 0; c + 1 < nchunks; ++c) {
       const int64_t c0 = c * C, L = std::min(C, sp.length - c0), t0 = sp.start + c0;
-      if (c + 2 < nchunks) {
-        prefetch_tile(p.k, sp.batch, t0 + C, C, h, 0, K);
-        prefetch_tile(p.v, sp.batch, t0 + C, C, h, 0, V);
-        prefetch_tile(p.g, sp.batch, t0 + C, C, h, 0, p.gate_per_head ? 1 : K);
+      load_tiles(p.k, sp.batch, t0, L, h0, G, 0, K, t.k, ck, K);
+      load_tiles(p.v, sp.batch, t0, L, h0, G, 0, V, t.v, cv, V);
+      load_tiles(p.g, sp.batch, t0, L, h0, G, 0, gk, t.b, ck, K);
+      for (int64_t j = 0; j < G; ++j) {
+        if (c + 2 < nchunks) {
+          prefetch_tile(p.k, sp.batch, t0 + C, C, h0 + j, 0, K);
+          prefetch_tile(p.v, sp.batch, t0 + C, C, h0 + j, 0, V);
+          prefetch_tile(p.g, sp.batch, t0 + C, C, h0 + j, 0, gk);
+        }
+        float *b = t.b + j * ck, *blo = t.blo + j * ck, *st = t.states + j * states_per_head;
+        cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
+        state_step(L, K, V, t.k + j * ck, Gates{b, blo, K}, t.v + j * cv, st + c * kv, st + (c + 1) * kv, t.kl, t.run);
       }
-      load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
-      load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
-      gate_cumsum(p, sp.batch, t0, L, h, t.b, t.blo, t.rund);
-      state_step(L, K, V, t.k, gates, t.v, t.states + c * K * V, t.states + (c + 1) * K * V, t.kl, t.run);
     }
   }
-  if (has(p.dht)) {
-    load_state(p, p.dht, n, h, 0, V, t.dS);
-  } else {
-    std::memset(t.dS, 0, static_cast<size_t>(K * V) * 4);
+  // Pass 2, in reverse: carry dS and finish each chunk's gradients.
+  for (int64_t j = 0; j < G; ++j) {
+    if (has(p.dht)) {
+      load_state(p, p.dht, n, h0 + j, 0, V, t.dS + j * kv);
+    } else {
+      std::memset(t.dS + j * kv, 0, static_cast<size_t>(kv) * 4);
+    }
   }
   for (int64_t c = nchunks - 1; c >= 0; --c) {
     const int64_t c0 = c * C, L = std::min(C, sp.length - c0), t0 = sp.start + c0;
-    if (c > 0) {
-      for (const gla_tensor* x : {&p.q, &p.k}) prefetch_tile(*x, sp.batch, t0 - C, C, h, 0, K);
-      for (const gla_tensor* x : {&p.v, &p.do_}) prefetch_tile(*x, sp.batch, t0 - C, C, h, 0, V);
-      prefetch_tile(p.g, sp.batch, t0 - C, C, h, 0, p.gate_per_head ? 1 : K);
-    }
-    load_tile(p.q, sp.batch, t0, L, h, 0, K, t.q, K);
+    load_tiles(p.q, sp.batch, t0, L, h0, G, 0, K, t.q, ck, K);
+    load_tiles(p.g, sp.batch, t0, L, h0, G, 0, gk, t.b, ck, K);
     if (has(p.do_)) {
-      load_tile(p.do_, sp.batch, t0, L, h, 0, V, t.dout, V);
+      load_tiles(p.do_, sp.batch, t0, L, h0, G, 0, V, t.dout, cv, V);
     } else {
-      std::memset(t.dout, 0, static_cast<size_t>(L * V) * 4);
+      for (int64_t j = 0; j < G; ++j) std::memset(t.dout + j * cv, 0, static_cast<size_t>(L * V) * 4);
     }
-    gate_cumsum(p, sp.batch, t0, L, h, t.b, t.blo, t.rund);
     if (want_dqk || has(p.dv)) {
-      load_tile(p.k, sp.batch, t0, L, h, 0, K, t.k, K);
-      load_tile(p.v, sp.batch, t0, L, h, 0, V, t.v, V);
-      intra_attention(L, K, C, scale, t.q, t.k, gates, t.A, L, want_dqk ? t.wd : nullptr, t.intra);
-      if (has(p.dv)) {
-        chunk_dv(L, K, V, C, t.k, gates, t.A, t.dout, t.dS, t.dv, t.kl);
-        store_tile(p.dv, sp.batch, t0, L, h, 0, V, t.dv, V);
-      }
-      if (want_dqk) {
-        intra_dA(L, V, C, scale, t.dout, t.v, t.dA, L, t.vt);
-        std::memset(t.dq, 0, static_cast<size_t>(L * K) * 4);
-        std::memset(t.dk, 0, static_cast<size_t>(L * K) * 4);
-        intra_dqk(L, K, C, t.q, t.k, gates, t.dA, t.wd, t.dq, t.dk, t.dqk);
-        inter_dqkg(L, K, V, scale, t.q, t.k, t.v, gates, t.dout, t.states + c * K * V, t.dS, t.dq, t.dk,
-                   has(p.dg) ? t.dg : nullptr, t.inter);
-        add_self_terms(L, K, C, t.q, t.k, t.dA, t.dq, t.dk);
-        if (has(p.dq)) store_tile(p.dq, sp.batch, t0, L, h, 0, K, t.dq, K);
-        if (has(p.dk)) store_tile(p.dk, sp.batch, t0, L, h, 0, K, t.dk, K);
-        if (has(p.dg)) store_dg(p, sp.batch, t0, L, h, t.dg);
-      }
+      load_tiles(p.k, sp.batch, t0, L, h0, G, 0, K, t.k, ck, K);
+      load_tiles(p.v, sp.batch, t0, L, h0, G, 0, V, t.v, cv, V);
     }
-    dstate_step(L, K, V, scale, t.q, gates, t.dout, t.dS, t.kl, t.run);
+    for (int64_t j = 0; j < G; ++j) {
+      if (c > 0) {
+        for (const gla_tensor* x : {&p.q, &p.k}) prefetch_tile(*x, sp.batch, t0 - C, C, h0 + j, 0, K);
+        for (const gla_tensor* x : {&p.v, &p.do_}) prefetch_tile(*x, sp.batch, t0 - C, C, h0 + j, 0, V);
+        prefetch_tile(p.g, sp.batch, t0 - C, C, h0 + j, 0, gk);
+      }
+      const float *q = t.q + j * ck, *kt = t.k + j * ck, *v = t.v + j * cv, *dout = t.dout + j * cv;
+      float *b = t.b + j * ck, *blo = t.blo + j * ck, *dS = t.dS + j * kv;
+      float *dq = t.dq + j * ck, *dk = t.dk + j * ck, *dg = t.dg + j * ck, *dv = t.dv + j * cv;
+      cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
+      const Gates gates{b, blo, K};
+      if (want_dqk || has(p.dv)) {
+        intra_attention(L, K, C, scale, q, kt, gates, t.A, L, want_dqk ? t.wd : nullptr, t.intra);
+        if (has(p.dv)) chunk_dv(L, K, V, C, kt, gates, t.A, dout, dS, dv, t.kl);
+        if (want_dqk) {
+          intra_dA(L, V, C, scale, dout, v, t.dA, L, t.vt);
+          std::memset(dq, 0, static_cast<size_t>(L * K) * 4);
+          std::memset(dk, 0, static_cast<size_t>(L * K) * 4);
+          intra_dqk(L, K, C, q, kt, gates, t.dA, t.wd, dq, dk, t.dqk);
+          inter_dqkg(L, K, V, scale, q, kt, v, gates, dout, t.states + j * states_per_head + c * kv, dS, dq, dk,
+                     has(p.dg) ? dg : nullptr, t.inter);
+          add_self_terms(L, K, C, q, kt, t.dA, dq, dk);
+          if (has(p.dg) && p.gate_per_head) {  // dg of a per-head gate: the sum over K, into column 0
+            for (int64_t r = 0; r < L; ++r) {
+              float acc = 0.0f;
+              for (int64_t i = 0; i < K; ++i) acc += dg[r * K + i];
+              dg[r * K] = acc;
+            }
+          }
+        }
+      }
+      dstate_step(L, K, V, scale, q, gates, dout, dS, t.kl, t.run);
+    }
+    if (has(p.dv)) store_tiles(p.dv, sp.batch, t0, L, h0, G, 0, V, t.dv, cv, V);
+    if (has(p.dq)) store_tiles(p.dq, sp.batch, t0, L, h0, G, 0, K, t.dq, ck, K);
+    if (has(p.dk)) store_tiles(p.dk, sp.batch, t0, L, h0, G, 0, K, t.dk, ck, K);
+    if (has(p.dg)) store_tiles(p.dg, sp.batch, t0, L, h0, G, 0, gk, t.dg, ck, K);
   }
-  if (has(p.dh0)) store_state(p, p.dh0, n, h, 0, V, t.dS);
+  if (has(p.dh0)) {
+    for (int64_t j = 0; j < G; ++j) store_state(p, p.dh0, n, h0 + j, 0, V, t.dS + j * kv);
+  }
 }
 
 // ---- stage units: item = (sequence, head); chunks per problem.chunk_size ----
@@ -1086,10 +1127,9 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
 // The table
 // ---------------------------------------------------------------------------------------------
 inline int64_t item_count(const gla_problem& p, int threads) {
-  if (p.unit == GLA_UNIT_CHUNK_FWD) {
-    const int64_t group = head_group(p, threads);
-    return p.N * ((p.H + group - 1) / group) * value_tiles(p);
-  }
+  const int64_t group = head_group(p, threads);
+  if (p.unit == GLA_UNIT_CHUNK_FWD) return p.N * ((p.H + group - 1) / group) * value_tiles(p);
+  if (p.unit == GLA_UNIT_CHUNK_BWD) return p.N * ((p.H + group - 1) / group);
   return p.N * p.H;
 }
 inline size_t scratch_floats(const gla_problem& p, int threads) {
@@ -1104,7 +1144,7 @@ inline void run_item(const gla_problem& p, int threads, int64_t item, float* scr
   if (p.unit == GLA_UNIT_CHUNK_FWD) {
     run_forward(p, item, group, t);
   } else if (p.unit == GLA_UNIT_CHUNK_BWD) {
-    run_backward(p, item, t);
+    run_backward(p, item, group, t);
   } else {
     run_stage(p, item, t);
   }
