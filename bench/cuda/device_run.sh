@@ -7,10 +7,19 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 for step in "$@"; do
   case "$step" in
-    check) ./build-cuda/harness check 2>&1 | tee "$OUT/check.log" ;;
+    check) ./build-cuda/harness check 2>&1 | tee "$OUT/check.log" || { echo "CHECK FAILED: stopping"; exit 1; } ;;
     bench) ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$OUT/bench.log" ;;
     skips) for m in 0 1 2 4 8 16 3 31; do echo "skip $m"; GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128; done 2>&1 | tee "$OUT/skips.log" ;;
     ncu) ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis -k regex:chunk_forward -c 1 ./build-cuda/harness bench 8x4096x16x128 2>&1 | tee "$OUT/ncu.log" | grep -v "^==PROF" | tail -120 ;;
+    sanitize) export GLA_CHECK_SMALL=1
+      compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/memcheck.log"
+      compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/racecheck.log"
+      unset GLA_CHECK_SMALL ;;
+    gtest) LD_LIBRARY_PATH=build-cuda ./build-cuda/tests/cpp/gla_tests --gtest_filter='Cuda*' 2>&1 | tee "$OUT/gtest.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |FAILED|Failure|error" | head -40 ;;
+    fla) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
+      PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so 2>&1 | tee "$OUT/fla.log" | grep -v Warning
+      for i in 1 2 3; do python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first; done 2>&1 | tee "$OUT/first_py.log" ;;
+    ours) PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --no-fla 2>&1 | tee "$OUT/ours.log" ;;
     first) ./build-cuda/harness first 2>&1 | tee "$OUT/first.log" ;;
     *) echo "unknown step $step" ;;
   esac

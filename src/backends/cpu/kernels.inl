@@ -159,6 +159,7 @@ inline void prefetch_tile(const gla_tensor& x, int64_t batch, int64_t t0, int64_
   const char* base = static_cast<const char*>(x.data);
   for (int64_t r = 0; r < rows; ++r) {
     const char* row = base + (x.rank == 4 ? off4(x, batch, t0 + r, head, d0) : batch * x.strides[0] + (t0 + r) * x.strides[1] + head * x.strides[2]) * esize;
+    static const bool nopf = getenv("NOPF") != nullptr; if (nopf) return;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
   }
 }
@@ -226,15 +227,17 @@ inline void cumsum_gate_rows(bool per_head, int64_t L, int64_t K, float* b, floa
     }
     return;
   }
-  for (int64_t i = 0; i < K; ++i) run[i] = 0.0;
+  double* __restrict acc = run;
+  for (int64_t i = 0; i < K; ++i) acc[i] = 0.0;
   for (int64_t r = 0; r < L; ++r) {
-    float* row = b + r * K;
-    float* lo = blo + r * K;
+    float* __restrict row = b + r * K;
+    float* __restrict lo = blo + r * K;
     for (int64_t i = 0; i < K; ++i) {
-      run[i] += row[i];
-      const double x = run[i] * kRcpLn2d;
-      row[i] = static_cast<float>(x);
-      lo[i] = static_cast<float>(x - row[i]);
+      acc[i] += static_cast<double>(row[i]);
+      const double x = acc[i] * kRcpLn2d;
+      const float hi = static_cast<float>(x);
+      row[i] = hi;
+      lo[i] = static_cast<float>(x - static_cast<double>(hi));
     }
   }
 }
