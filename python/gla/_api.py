@@ -101,31 +101,46 @@ def explain(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] =
     p = {name: (ctypes.pointer(x) if x is not None else None) for name, x in d.items()}
     opts = _lib.make_options(_default_scale(q, scale), state_v_first, _ops.current_backend(), _ops.current_policy())
     text = ctypes.c_char_p()
+    N = _ops._num_sequences(q, cu_seqlens)
+    state_shape = _ops._state_shape(q, v, N, state_v_first)
+
+    def planned(like, shape, dtype=None):
+        """Metadata of an output as the operator will allocate it (contiguous; no memory)."""
+        return _meta_descriptor(shape, dtype if dtype is not None else d[like].dtype, d[like])
+
     with _tensors.handed_over(q, k, v, g, initial_state, cu_seqlens, host):
         if backward:
+            g_dtype = d["g"].dtype
+            outs = [planned("v", v.shape), None, planned("q", q.shape), planned("k", k.shape),
+                    planned("v", v.shape), planned("g", g.shape, g_dtype),
+                    planned("q", state_shape, _lib.F32) if initial_state is not None else None]
             args = _lib.BackwardArgs(p["q"], p["k"], p["v"], p["g"], p["initial_state"], p["cu_seqlens"],
-                                     p["cu_seqlens_host"])
+                                     p["cu_seqlens_host"], *[_pointer(o) for o in outs])
             status = lib.gla_explain(None, ctypes.byref(args), ctypes.byref(opts), ctypes.byref(text))
         else:
-            final = None
-            if output_final_state:  # metadata only: a descriptor with the right shape and no memory
-                final = _lib.Tensor()
-                final.dtype, final.rank = _lib.F32, 4
-                final.device_type, final.device_index = d["q"].device_type, d["q"].device_index
-                N = (cu_seqlens.shape[0] - 1) if cu_seqlens is not None else q.shape[0]
-                shape = _ops._state_shape(q, v, N, state_v_first)
-                for i, s in enumerate(shape):
-                    final.sizes[i] = s
-                stride = 1
-                for i in reversed(range(len(shape))):
-                    final.strides[i] = stride
-                    stride *= shape[i]
-                final.rank = len(shape)
+            o = planned("v", v.shape)
+            final = planned("q", state_shape, _lib.F32) if output_final_state else None
             args = _lib.ForwardArgs(p["q"], p["k"], p["v"], p["g"], p["initial_state"], p["cu_seqlens"],
-                                    p["cu_seqlens_host"], None, ctypes.pointer(final) if final is not None else None)
+                                    p["cu_seqlens_host"], _pointer(o), _pointer(final))
             status = lib.gla_explain(ctypes.byref(args), None, ctypes.byref(opts), ctypes.byref(text))
         _lib.raise_for(status)
     return text.value.decode()
+
+
+def _pointer(d):
+    return ctypes.pointer(d) if d is not None else None
+
+
+def _meta_descriptor(shape, dtype: int, like: "_lib.Tensor") -> "_lib.Tensor":
+    """A contiguous descriptor with no memory, on `like`'s device (for explain: metadata only)."""
+    t = _lib.Tensor()
+    t.dtype, t.rank = dtype, len(shape)
+    t.device_type, t.device_index = like.device_type, like.device_index
+    stride = 1
+    for i in reversed(range(len(shape))):
+        t.sizes[i], t.strides[i] = shape[i], stride
+        stride *= shape[i]
+    return t
 
 
 # ---- selection: thread-local, captured by each forward for its backward ----
