@@ -410,8 +410,10 @@ struct IntraScratch {
 // (q_t 2^(b_t - p_i)) . (k_s 2^(p_i - b_s)); the keys' factor for pivot i is the one for pivot i-1
 // times 2^(p_i - p_(i-1)), so each key row is exponentiated once. Diagonal blocks element-wise;
 // `wd` (optional, [nsub][kPairs][K]) receives their weights 2^(b_t - b_s) for the backward.
+// `qkeep` (optional, L x K) receives the pivot-scaled query rows of sub-chunks >= 1 (see
+// forward_chunk).
 inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const float* q, const float* k, const Gates& g,
-                            float* A, int64_t zero_to, float* wd, const IntraScratch& s) {
+                            float* A, int64_t zero_to, float* wd, const IntraScratch& s, float* qkeep = nullptr) {
   const int64_t nsub = (L + kSub - 1) / kSub;
   for (int64_t i = 0; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
@@ -427,8 +429,9 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
       }
       for (int64_t r = 0; r < kSub; ++r) scale_exp2_rows(g, k + (old + r) * K, r0, old + r, 1.0f, s.krow + r * K);
       transpose(kSub, K, s.krow, K, s.kpt + old, C);
-      for (int64_t t = 0; t < ni; ++t) scale_exp2_rows(g, q + (r0 + t) * K, r0 + t, r0, scale, s.qp + t * K);
-      gemm(ni, r0, K, s.qp, K, 1, s.kpt, C, A + r0 * C, C, false);
+      float* qp = qkeep ? qkeep + r0 * K : s.qp;
+      for (int64_t t = 0; t < ni; ++t) scale_exp2_rows(g, q + (r0 + t) * K, r0 + t, r0, scale, qp + t * K);
+      gemm(ni, r0, K, qp, K, 1, s.kpt, C, A + r0 * C, C, false);
     }
     // Diagonal block.
     // Without `wd` (the forward), the block's lower-left quarter (rows >= 8, keys < 8) goes through
@@ -463,6 +466,48 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
       for (int64_t u = r0 + t + 1; u < zero_to; ++u) arow[u] = 0.0f;
     }
   }
+}
+
+// The whole forward of one chunk: A, o and the state update, sharing exponentials between them.
+// Query rows of sub-chunk i >= 1 are already q_t 2^(b_t - p_i) scale from A's pivot, so
+// q_t 2^b_t scale is that times 2^(p_i) (<= 0); keys s < p_last are in kpt as k_s 2^(p_last - b_s),
+// so k_s 2^(b_last - b_s) is that times 2^(b_last - p_last) (<= 0). That turns 96 of the chunk's
+// 128 row exponentials for o and the state into multiplies. qe: L x K, fac: K scratch.
+inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float scale, const float* q, const float* k,
+                          const Gates& g, const float* v, float* S, float* o, float* A, const IntraScratch& s, float* qe,
+                          float* fac) {
+  const int64_t nsub = (L + kSub - 1) / kSub;
+  intra_attention(L, K, C, scale, q, k, g, A, std::min(C, nsub * kSub), nullptr, s, qe);
+  for (int64_t t = 0; t < std::min(kSub, L); ++t) scale_exp2_rows(g, q + t * K, t, -1, scale, qe + t * K);
+  for (int64_t i = 1; i < nsub; ++i) {
+    const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
+    exp2_rows(g, r0, -1, fac);
+    for (int64_t t = 0; t < ni; ++t) mul_inplace(K, qe + (r0 + t) * K, fac);
+  }
+  gemm(L, bv, K, qe, K, 1, S, bv, o, bv, false);
+  for (int64_t i = 0; i < nsub; ++i) {
+    const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
+    gemm(ni, bv, r0 + ni, A + r0 * C, C, 1, v, bv, o + r0 * bv, bv, true);
+  }
+  // state: kpt becomes (k ⊙ 2^(b_last - b))^T
+  const int64_t last0 = (nsub - 1) * kSub;
+  if (last0 > 0) {
+    exp2_rows(g, L - 1, last0, fac);
+    for (int64_t kk = 0; kk < K; ++kk) {
+      float* row = s.kpt + kk * C;
+      const vf f = vset(fac[kk]);
+      for_vectors(last0, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
+    }
+  }
+  for (int64_t r = last0; r < L; ++r) scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, s.krow + (r - last0) * K);
+  transpose(L - last0, K, s.krow, K, s.kpt + last0, C);
+  exp2_rows(g, L - 1, -1, fac);
+  for (int64_t kk = 0; kk < K; ++kk) {
+    float* row = S + kk * bv;
+    const vf f = vset(fac[kk]);
+    for_vectors(bv, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
+  }
+  gemm(K, bv, L, s.kpt, C, 1, v, bv, S, bv, true);
 }
 
 // dA[t][s] = scale * do_t . v_s for s <= t < L; 0 for t < s < zero_to. vt: V x C scratch.
@@ -833,9 +878,7 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
       float *v = t.v + j * cv, *o = t.o + j * cv, *S = t.S + j * kv;
       cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
       const Gates gates{b, blo, K};
-      intra_attention(L, K, C, scale, q, k, gates, t.A, std::min(C, (L + kSub - 1) / kSub * kSub), nullptr, t.intra);
-      chunk_output(L, K, bv, C, scale, q, gates, S, t.A, v, o, t.kl);
-      state_step(L, K, bv, k, gates, v, S, S, t.kl, t.run);
+      forward_chunk(L, K, bv, C, scale, q, k, gates, v, S, o, t.A, t.intra, t.kl, t.run);
     }
     store_tiles(p.o, sp.batch, t0, L, h0, G, v0, bv, t.o, cv, bv);
   }

@@ -120,20 +120,20 @@ inline vf vscale2(vf p, vf) { return p; }
 #endif
 
 #if defined(__AVX2__) || defined(__AVX512F__)
-// 2^x, x <= 0 in every use (SPEC.md section 3), relative error ~2e-7: 2^x = 2^n * 2^f with n the
-// nearest integer and |f| <= 1/2, 2^f by its degree-7 Taylor polynomial in f*ln2.
+// 2^x, x <= 0 in every use (SPEC.md section 3): 2^x = 2^n * 2^f with n the nearest integer and
+// |f| <= 1/2, 2^f by a degree-6 polynomial fitted for relative error (9.6e-8 evaluated in fp32,
+// as good as the degree-7 Taylor series it replaced, one FMA shorter).
 inline vf vexp2(vf x) {
   x = vclamp_exp_arg(x);
   const vf n = vround(x);
   const vf f = vsub(x, n);
-  vf p = vset(1.525273380405984e-05f);
-  p = vfma(p, f, vset(1.5403530393381606e-04f));
-  p = vfma(p, f, vset(1.3333558146428443e-03f));
-  p = vfma(p, f, vset(9.618129107628477e-03f));
-  p = vfma(p, f, vset(5.550410866482158e-02f));
-  p = vfma(p, f, vset(2.402265069591007e-01f));
-  p = vfma(p, f, vset(6.931471805599453e-01f));
-  p = vfma(p, f, vset(1.0f));
+  vf p = vset(1.5345805961812907e-04f);
+  p = vfma(p, f, vset(1.3399931169820417e-03f));
+  p = vfma(p, f, vset(9.61848897954498e-03f));
+  p = vfma(p, f, vset(5.550328777118035e-02f));
+  p = vfma(p, f, vset(2.4022646890427046e-01f));
+  p = vfma(p, f, vset(6.931472057371706e-01f));
+  p = vfma(p, f, vset(1.0000000005541925f));
   return vscale2(p, n);
 }
 #else
