@@ -331,6 +331,10 @@ PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_op
     p.o = *args->o;
   } else if (!metadata_only) {
     invalid("o: required output tensor is missing (got NULL)");
+  } else {
+    // explain() without an output: describe the one the operator would be given (contiguous), so
+    // verifiers that check output strides give the verdict of a real call.
+    p.o = make_tensor(nullptr, p.dtype, p.device_type, p.device_index, {p.B, p.T, p.H, p.V});
   }
   if (args->final_state) {
     check_state_like("final_state", *args->final_state, p, metadata_only);
