@@ -144,6 +144,7 @@ def main():
     ap.add_argument("--lib", default="build-cuda/libgla.so")
     ap.add_argument("--cases", default="8x4096x16x128,4x8192x32x64,1x32768x16x128,32x1024x16x128,varlen")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla-cases", default="", help="comma list: run fla only on these (default: all)")
     ap.add_argument("--first", action="store_true")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_vs_fla.json"))
     args = ap.parse_args()
@@ -167,7 +168,7 @@ def main():
         ours_peak = (torch.cuda.max_memory_allocated() - base) / 2**20  # workspace + descriptors, MiB
         ours = bench(call)
         row = dict(case=case, libgla_ms=ours, libgla_extra_MiB=ours_peak, workspace_MiB=call.workspace_bytes / 2**20)
-        if chunk_gla is not None:
+        if chunk_gla is not None and (not args.fla_cases or case in args.fla_cases.split(",")):
             with torch.no_grad():
                 t0 = time.perf_counter()
                 ref, _ = chunk_gla(q, k, v, g, cu_seqlens=cu)

@@ -19,6 +19,9 @@ for step in "$@"; do
     fla) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
       PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so 2>&1 | tee "$OUT/fla.log" | grep -v Warning
       for i in 1 2 3; do python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first; done 2>&1 | tee "$OUT/first_py.log" ;;
+    final) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
+      python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first 2>&1 | tee "$OUT/first_py.log"
+      PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --fla-cases 8x4096x16x128 2>&1 | tee "$OUT/fla.log" | grep -v Warning ;;
     ours) PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --no-fla 2>&1 | tee "$OUT/ours.log" ;;
     first) ./build-cuda/harness first 2>&1 | tee "$OUT/first.log" ;;
     *) echo "unknown step $step" ;;

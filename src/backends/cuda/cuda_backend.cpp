@@ -3,6 +3,9 @@
 // yet and falls through to other backends.
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <map>
+#include <tuple>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -72,6 +75,31 @@ void copy_strides(const gla_tensor& t, int64_t* out, int n) {
   for (int i = 0; i < n; ++i) out[i] = t.strides[i];
 }
 
+// A stream-ordered memory pool per device for workspaces, which keeps what it has mapped (release
+// threshold: unlimited): with the default threshold of 0 every synchronisation unmaps the pool and
+// the next call maps its workspace again (measured: 1.9 ms -> 3.5 ms on a 68 MB varlen workspace).
+cudaMemPool_t workspace_pool(int device) {
+  static std::mutex mutex;
+  static std::map<int, cudaMemPool_t> pools;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = pools.find(device);
+  if (it != pools.end()) return it->second;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t pool = nullptr;
+  if (cudaMemPoolCreate(&pool, &props) == cudaSuccess) {
+    uint64_t threshold = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+  } else {
+    cudaGetLastError();
+    pool = nullptr;  // fall back to the device's default pool
+  }
+  pools[device] = pool;
+  return pool;
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 cuda::ForwardParams make_params(const gla_problem& p) {
@@ -116,6 +144,31 @@ cuda::ForwardParams make_params(const gla_problem& p) {
   }
   f.vector_loads = vec ? 1 : 0;
   return f;
+}
+
+// Plans are cached per problem signature: the segment planner simulates the block schedule
+// (up to ~1 ms of host time for many heads), which must not sit in front of every launch.
+cuda::ForwardPlan cached_plan(const cuda::ForwardParams& f, const gla_problem& p) {
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t, uint64_t>;
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the sequence offsets
+  for (int64_t n = 0; n <= p.N; ++n) {
+    hash ^= static_cast<uint64_t>(p.seq_offsets[n]);
+    hash *= 1099511628211ull;
+  }
+  const int sm_count = device_info(p.device_index).sm_count;
+  const Key key{p.device_index, f.N, f.H, f.K, f.V, f.T, f.dtype, f.gate_dtype, f.gate_per_head, hash};
+  static std::mutex mutex;
+  static std::map<Key, cuda::ForwardPlan> cache;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  const cuda::ForwardPlan plan = cuda::plan_forward(f, p.seq_offsets, sm_count);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cache.size() > 1024) cache.clear();
+  cache.emplace(key, plan);
+  return plan;
 }
 
 class CudaBackend final : public Backend {
@@ -172,13 +225,13 @@ class CudaBackend final : public Backend {
 
   size_t workspace_size(const gla_problem& p) const override {
     const cuda::ForwardParams f = make_params(p);
-    return cuda::plan_forward(f, p.seq_offsets, device_info(p.device_index).sm_count).workspace_bytes;
+    return cached_plan(f, p).workspace_bytes;
   }
 
   void run(const gla_problem& p) override {
     DeviceGuard guard(p.device_index);
     const cuda::ForwardParams f = make_params(p);
-    const cuda::ForwardPlan plan = cuda::plan_forward(f, p.seq_offsets, device_info(p.device_index).sm_count);
+    const cuda::ForwardPlan plan = cached_plan(f, p);
     void* workspace = p.workspace;
     bool owned = false;
     auto stream = static_cast<cudaStream_t>(p.stream);
@@ -197,7 +250,10 @@ class CudaBackend final : public Backend {
     if (bytes == 0) return nullptr;
     DeviceGuard guard(p.device_index);
     void* ptr = nullptr;
-    const cudaError_t err = cudaMallocAsync(&ptr, bytes, static_cast<cudaStream_t>(p.stream));
+    const cudaMemPool_t pool = workspace_pool(p.device_index);
+    auto stream = static_cast<cudaStream_t>(p.stream);
+    const cudaError_t err =
+        pool ? cudaMallocFromPoolAsync(&ptr, bytes, pool, stream) : cudaMallocAsync(&ptr, bytes, stream);
     if (err != cudaSuccess) {
       cudaGetLastError();
       fail(GLA_STATUS_OUT_OF_MEMORY, "cudaMallocAsync of " + std::to_string(bytes) + " bytes failed: " +
