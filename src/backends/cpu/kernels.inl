@@ -330,6 +330,10 @@ inline void gemm(int64_t M, int64_t N, int64_t D, const float* a, int64_t rsa, i
       float* ci = c + i0 * ldc + j0;
       const float* bj = b + j0;
       switch (mr) {
+        case 8: if constexpr (kTileRows >= 8) gemm_tile_dispatch_vecs<8>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
+        case 7: if constexpr (kTileRows >= 7) gemm_tile_dispatch_vecs<7>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
+        case 6: if constexpr (kTileRows >= 6) gemm_tile_dispatch_vecs<6>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
+        case 5: if constexpr (kTileRows >= 5) gemm_tile_dispatch_vecs<5>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
         case 4: gemm_tile_dispatch_vecs<4>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
         case 3: gemm_tile_dispatch_vecs<3>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
         case 2: gemm_tile_dispatch_vecs<2>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
