@@ -350,6 +350,12 @@ inline void transpose(int64_t rows, int64_t cols, const float* src, int64_t lds,
     const int64_t r1 = std::min(rows, r0 + kBlock);
     for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
       const int64_t c1 = std::min(cols, c0 + kBlock);
+#ifdef GLA_CPU_HAVE_TRANSPOSE16
+      if (r1 - r0 == kBlock && c1 - c0 == kBlock) {
+        transpose16(src + r0 * lds + c0, lds, dst + c0 * ldd + r0, ldd);
+        continue;
+      }
+#endif
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t c = c0; c < c1; ++c) dst[c * ldd + r] = src[r * lds + c];
       }

@@ -38,6 +38,39 @@ inline void load_bf16(const uint16_t* s, float* d, int n) {
   vstore_n(d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)), n);
 }
 #define GLA_CPU_HAVE_VECTOR_16BIT 1
+// dst[c * ldd + r] = src[r * lds + c] for a full 16 x 16 block, in registers (the scalar loop it
+// replaced was ~10% of the backward).
+#define GLA_CPU_HAVE_TRANSPOSE16 1
+inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  // r[4a + b] now holds, in 128-bit lane l, column 4l + (b: 0, 1, 2, 3) of rows 4a..4a+3.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);       // lanes 0, 2 of r[i], then of r[4+i]
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);   // lanes 1, 3
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);       // column lane 0
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);   // column lane 2
+    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);  // column lane 1
+    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd); // column lane 3
+  }
+  // r[4l + b] is column 4l + b.
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, r[i]);
+}
+
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
