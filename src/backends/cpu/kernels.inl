@@ -720,22 +720,25 @@ inline void inter_dqkg(int64_t L, int64_t K, int64_t V, float scale, const float
       for_vectors(V, [&](int64_t c, int lanes) { acc = vfma(vload_k(a + c, lanes), vload_k(d + c, lanes), acc); });
       s.base[kk] *= vsum(acc);
     }
-    for (int64_t kk = 0; kk < K; ++kk) s.acc[kk] = 0.0;
+    double* __restrict acc = s.acc;
+    const float* __restrict base = s.base;
+    for (int64_t kk = 0; kk < K; ++kk) acc[kk] = 0.0;
     for (int64_t r = L - 1; r >= 0; --r) {
-      const float *qr = q + r * K, *dqr = dq + r * K, *kr = k + r * K, *dkr = dk + r * K;
-      float* out = dg + r * K;
+      const float *__restrict qr = q + r * K, *__restrict dqr = dq + r * K;
+      const float *__restrict kr = k + r * K, *__restrict dkr = dk + r * K;
+      float* __restrict out = dg + r * K;
       for (int64_t kk = 0; kk < K; ++kk) {
-        s.acc[kk] += static_cast<double>(qr[kk]) * dqr[kk] - static_cast<double>(kr[kk]) * dkr[kk];
-        out[kk] = static_cast<float>(s.acc[kk]);
+        acc[kk] += static_cast<double>(qr[kk]) * dqr[kk] - static_cast<double>(kr[kk]) * dkr[kk];
+        out[kk] = static_cast<float>(acc[kk]);
       }
     }
-    for (int64_t kk = 0; kk < K; ++kk) s.acc[kk] = 0.0;
+    for (int64_t kk = 0; kk < K; ++kk) acc[kk] = 0.0;
     for (int64_t r = 0; r < L; ++r) {
-      const float *kr = k + r * K, *ir = s.tmp + r * K;
-      float* out = dg + r * K;
+      const float *__restrict kr = k + r * K, *__restrict ir = s.tmp + r * K;
+      float* __restrict out = dg + r * K;
       for (int64_t kk = 0; kk < K; ++kk) {
-        out[kk] = static_cast<float>(static_cast<double>(out[kk]) + s.acc[kk] + s.base[kk]);
-        s.acc[kk] += static_cast<double>(kr[kk]) * ir[kk];
+        out[kk] = static_cast<float>(static_cast<double>(out[kk]) + acc[kk] + base[kk]);
+        acc[kk] += static_cast<double>(kr[kk]) * ir[kk];
       }
     }
   }
