@@ -40,6 +40,20 @@ inline void load_bf16(const uint16_t* s, float* d, int n) {
 #define GLA_CPU_HAVE_VECTOR_16BIT 1
 // dst[c * ldd + r] = src[r * lds + c] for a full 16 x 16 block, in registers (the scalar loop it
 // replaced was ~10% of the backward).
+// n contiguous floats written with non-temporal stores where 64-byte aligned (outputs are written
+// once and not read again by this call: no read-for-ownership, no eviction of the working tiles).
+#define GLA_CPU_HAVE_STREAM_STORE 1
+inline void stream_row(float* d, const float* s, int64_t n) {
+  int64_t i = 0;
+  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(d) & 63u) / 4);
+  if (mis) {
+    const int64_t head = std::min<int64_t>(n, 16 - mis);
+    std::memcpy(d, s, static_cast<size_t>(head) * 4);
+    i = head;
+  }
+  for (; i + 16 <= n; i += 16) _mm512_stream_ps(d + i, _mm512_loadu_ps(s + i));
+  if (i < n) std::memcpy(d + i, s + i, static_cast<size_t>(n - i) * 4);
+}
 #define GLA_CPU_HAVE_TRANSPOSE16 1
 inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
   __m512 r[16], t[16];
