@@ -15,7 +15,7 @@ for step in "$@"; do
       compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/memcheck.log"
       compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/racecheck.log"
       unset GLA_CHECK_SMALL ;;
-    gtest) LD_LIBRARY_PATH=build-cuda ./build-cuda/tests/cpp/gla_tests --gtest_filter='Cuda*' 2>&1 | tee "$OUT/gtest.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |FAILED|Failure|error" | head -40 ;;
+    gtest) LD_LIBRARY_PATH=build-cuda ./build-cuda/tests/cpp/gla_tests --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/gtest.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |FAILED|Failure|error" | head -40 ;;
     fla) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
       PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so 2>&1 | tee "$OUT/fla.log" | grep -v Warning
       for i in 1 2 3; do python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first; done 2>&1 | tee "$OUT/first_py.log" ;;
@@ -23,6 +23,10 @@ for step in "$@"; do
       python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first 2>&1 | tee "$OUT/first_py.log"
       PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --fla-cases 8x4096x16x128 2>&1 | tee "$OUT/fla.log" | grep -v Warning ;;
     ours) PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --no-fla 2>&1 | tee "$OUT/ours.log" ;;
+    variant) export GLA_CUDA_KERNEL=mma-diag
+      ./build-cuda/harness check 2>&1 | tee "$OUT/check_mma_diag.log" | grep -v "^ok "
+      ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$OUT/bench_mma_diag.log"
+      unset GLA_CUDA_KERNEL ;;
     first) ./build-cuda/harness first 2>&1 | tee "$OUT/first.log" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -213,6 +213,7 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
   p.gate_per_head = c.per_head;
   p.vector_loads = (c.K % 8 == 0 && c.V % 8 == 0) ? 1 : 0;
   p.debug_skip = std::getenv("GLA_CUDA_SKIP") ? std::atoi(std::getenv("GLA_CUDA_SKIP")) : 0;
+  p.kernel_variant = (std::getenv("GLA_CUDA_KERNEL") && std::string(std::getenv("GLA_CUDA_KERNEL")) == "mma-diag") ? 1 : 0;
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<int64_t> so(P.N + 1);

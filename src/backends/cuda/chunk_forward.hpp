@@ -45,6 +45,9 @@ struct ForwardParams {
   int32_t gate_per_head;
   int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
   int32_t debug_skip;    // profiling only (0 in production): bit mask of chunk-kernel phases to skip
+  // 1: diagonal blocks on tensor cores (binary pivot levels; chunk_forward_kernel.cuh). Selected by
+  // GLA_CUDA_KERNEL=mma-diag; not yet validated on a GPU, so not the default.
+  int32_t kernel_variant;
 };
 
 // How the chunk kernel splits sequences (host-side plan; see plan_forward).

@@ -4,6 +4,10 @@
 namespace gla::cuda::detail {
 
 cudaError_t run_chunk_d128(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
+  if (p.kernel_variant == 1) {
+    if (p.dtype == kBF16) return run_chunk<128, 128, __nv_bfloat16, true>(p, plan, workspace, stream);
+    return run_chunk<128, 128, __half, true>(p, plan, workspace, stream);
+  }
   if (plan.value_tile == 128) {
     if (p.dtype == kBF16) return run_chunk<128, 128, __nv_bfloat16>(p, plan, workspace, stream);
     return run_chunk<128, 128, __half>(p, plan, workspace, stream);

@@ -6,11 +6,11 @@
 
 namespace gla::cuda::detail {
 
-template <int DK, int BV, typename E>
+template <int DK, int BV, typename E, bool MMA_DIAG = false>
 cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
-  const ChunkSmem L = chunk_smem_layout(DK, BV, gate_bytes, p.gate_per_head != 0);
-  auto kernel = chunk_forward_kernel<DK, BV, E>;
+  const ChunkSmem L = chunk_smem_layout(DK, BV, gate_bytes, p.gate_per_head != 0, MMA_DIAG);
+  auto kernel = chunk_forward_kernel<DK, BV, E, MMA_DIAG>;
   // Raise the dynamic shared-memory limit once per instantiation and size.
   static int raised = 0;
   if (raised < L.total) {

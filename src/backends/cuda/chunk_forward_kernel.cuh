@@ -38,9 +38,11 @@ struct ChunkSmem {
   int q, k, v, g;      // offsets inside one stage
   int stage_bytes;
   int qw, kw, a, tot, dfac, dsum;  // offsets after the two stages
+  int extra0, extra1, dpart;       // MMA-diagonal variant: level copies 2/3, diagonal partials
   int total;
 };
-__host__ __device__ inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool per_head) {
+__host__ __device__ inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool per_head,
+                                                       bool mma_diag = false) {
   ChunkSmem s{};
   s.pq = dk + 8;
   s.pv = bv + 8;
@@ -60,10 +62,206 @@ __host__ __device__ inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_
   s.dfac = s.tot + 4 * dk * 4;
   s.dsum = s.dfac + dk * 4;
   s.total = s.dsum + dk * 4;
+  s.extra0 = s.extra1 = s.dpart = -1;
+  if (mma_diag) {
+    // Level copies 0 and 1 go over the stage's raw q and k, 2 (and 3 for an fp32 gate) over its
+    // raw g; the rest need their own buffers.
+    const int copy_bytes = kChunk * s.pq * 2;
+    const int extras = per_head ? 2 : (gate_bytes == 2 ? 1 : 0);
+    if (extras >= 1) { s.extra0 = s.total; s.total += copy_bytes; }
+    if (extras >= 2) { s.extra1 = s.total; s.total += copy_bytes; }
+    s.dpart = s.total;
+    s.total += (bv / 16) * 16 * 4;
+  }
   return s;
 }
 
-template <int DK, int BV, typename E>
+// ---- MMA-diagonal variant (MMA_DIAG): the 16x16 diagonal blocks on tensor cores ----
+//
+// Within a sub-chunk, level L (half size h = 8, 4, 2, 1) cuts the 16 rows into blocks of 2h. Rows
+// in a block's upper half are query members, scaled q_t * 2^{c_t - c_p}; rows in its lower half are
+// key members, scaled k_s * 2^{c_p - c_s}; the pivot p is the lower half's last row, so every
+// exponent is <= 0. Each pair s < t of a sub-chunk is split by exactly one level (the highest bit
+// in which t and s differ), where A[t,s] = copy_t . copy_s. The factors are running products of
+// e = 2^{g log2 e} (no exp per element beyond e). Pairs t = s are q_t . k_t, summed exactly.
+
+template <typename X>
+__device__ __forceinline__ uint16_t* level_copy(int level, uint16_t* qs, uint16_t* ks, unsigned char* gs,
+                                                unsigned char* smem, const ChunkSmem& L, bool per_head,
+                                                int gate_bytes) {
+  if (level == 0) return qs;
+  if (level == 1) return ks;
+  if (level == 2) return per_head ? reinterpret_cast<uint16_t*>(smem + L.extra0) : reinterpret_cast<uint16_t*>(gs);
+  if (per_head) return reinterpret_cast<uint16_t*>(smem + L.extra1);
+  if (gate_bytes == 4) return reinterpret_cast<uint16_t*>(gs + kChunk * L.pq * 2);
+  return reinterpret_cast<uint16_t*>(smem + L.extra0);
+}
+
+template <int H, typename X>
+__device__ __forceinline__ void write_level_copy(uint16_t* dst, const ChunkSmem& L, int sub, int k0,
+                                                 const uint32_t (&qv)[16], const uint32_t (&kv)[16],
+                                                 const float (&e0)[16], const float (&e1)[16]) {
+#pragma unroll
+  for (int b0 = 0; b0 < 16; b0 += 2 * H) {
+    const int piv = b0 + H - 1;
+    float f0 = 1.f, f1 = 1.f;
+#pragma unroll
+    for (int r = piv; r >= b0; --r) {  // key members: k_r prod_{u=r+1..piv} e_u
+      const float2 k = X::to_float2(kv[r]);
+      *reinterpret_cast<uint32_t*>(dst + (sub * 16 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
+      f0 *= e0[r];
+      f1 *= e1[r];
+    }
+    f0 = f1 = 1.f;
+#pragma unroll
+    for (int r = piv + 1; r < b0 + 2 * H; ++r) {  // query members: q_r prod_{u=piv+1..r} e_u
+      f0 *= e0[r];
+      f1 *= e1[r];
+      const float2 q = X::to_float2(qv[r]);
+      *reinterpret_cast<uint32_t*>(dst + (sub * 16 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
+    }
+  }
+}
+
+// One item per thread: (column pair cp, sub-chunk sub). Reads q, k, g first, then (after a barrier,
+// since the level copies overwrite the raw buffers) writes qloc, kloc, the four level copies and
+// the q_t . k_t partials.
+template <int DK, typename X>
+__device__ __forceinline__ void mma_diag_elementwise(const ForwardParams& p, const ChunkSmem& L, int tid, int lane,
+                                                     int warp, uint16_t* qs, uint16_t* ks, unsigned char* gs,
+                                                     uint16_t* qw, uint16_t* kw, float* tot, unsigned char* smem) {
+  const bool per_head = p.gate_per_head != 0;
+  const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
+  const int cp = tid % (DK / 2), sub = tid / (DK / 2), k0 = cp * 2;
+  uint32_t qv[16], kv[16];
+  float e0[16], e1[16];
+  float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const int t = sub * 16 + r;
+    float g0, g1;
+    if (per_head) {
+      g0 = g1 = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[t]
+                                : X::to_float(reinterpret_cast<const uint16_t*>(gs)[t]);
+    } else if (gate_bytes == 4) {
+      const float2 gv = *reinterpret_cast<const float2*>(gs + (t * L.pg + k0) * 4);
+      g0 = gv.x;
+      g1 = gv.y;
+    } else {
+      const float2 gv = X::to_float2(*reinterpret_cast<const uint32_t*>(gs + (t * L.pg + k0) * 2));
+      g0 = gv.x;
+      g1 = gv.y;
+    }
+    g0 *= kLog2e;
+    g1 *= kLog2e;
+    a0 += g0;
+    a1 += g1;
+    e0[r] = fast_exp2(g0);
+    e1[r] = fast_exp2(g1);
+    qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pq + k0);
+    kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pq + k0);
+  }
+  tot[sub * DK + k0] = a0;
+  tot[sub * DK + k0 + 1] = a1;
+  // q_t . k_t over this column pair, reduced over the sub-chunk's DK/2 threads below.
+  float dg[16];
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const float2 q = X::to_float2(qv[r]), k = X::to_float2(kv[r]);
+    dg[r] = q.x * k.x + q.y * k.y;
+  }
+  __syncthreads();  // every raw read is done: the copies may overwrite q, k, g now
+
+  // qloc_t = q_t prod_{u<=t} e_u = q_t 2^{c_t};  kloc_t = k_t prod_{u>t} e_u = k_t 2^{Tot - c_t}.
+  {
+    float f0 = 1.f, f1 = 1.f;
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      f0 *= e0[r];
+      f1 *= e1[r];
+      const float2 q = X::to_float2(qv[r]);
+      *reinterpret_cast<uint32_t*>(qw + (sub * 16 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
+    }
+    f0 = f1 = 1.f;
+#pragma unroll
+    for (int r = 15; r >= 0; --r) {
+      const float2 k = X::to_float2(kv[r]);
+      *reinterpret_cast<uint32_t*>(kw + (sub * 16 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
+      f0 *= e0[r];
+      f1 *= e1[r];
+    }
+  }
+  // Level copies (half sizes 8, 4, 2, 1 as template arguments, so every index is a constant).
+  write_level_copy<8, X>(level_copy<X>(0, qs, ks, gs, smem, L, per_head, gate_bytes), L, sub, k0, qv, kv, e0, e1);
+  write_level_copy<4, X>(level_copy<X>(1, qs, ks, gs, smem, L, per_head, gate_bytes), L, sub, k0, qv, kv, e0, e1);
+  write_level_copy<2, X>(level_copy<X>(2, qs, ks, gs, smem, L, per_head, gate_bytes), L, sub, k0, qv, kv, e0, e1);
+  write_level_copy<1, X>(level_copy<X>(3, qs, ks, gs, smem, L, per_head, gate_bytes), L, sub, k0, qv, kv, e0, e1);
+  // Reduce dg over the warp: half-exchange (lanes 0-15 keep rows 0-7, 16-31 rows 8-15), then a
+  // butterfly over 16 lanes. Fixed order: deterministic.
+  const bool upper = (lane & 16) != 0;
+  float hv[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float send = upper ? dg[i] : dg[i + 8];
+    const float keep = upper ? dg[i + 8] : dg[i];
+    hv[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int o = 8; o >= 1; o >>= 1) hv[i] += __shfl_xor_sync(0xffffffffu, hv[i], o);
+  }
+  float* dpart = reinterpret_cast<float*>(smem + L.dpart);
+  if ((lane & 15) == 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dpart[warp * 16 + (upper ? 8 : 0) + i] = hv[i];
+  }
+}
+
+// The level products on tensor cores (16 tasks: sub-chunk x level) and the diagonal entries.
+template <int DK, int NW, typename X>
+__device__ __forceinline__ void mma_diag_levels(const ChunkSmem& L, int tid, int lane, int warp, uint16_t* qs,
+                                                uint16_t* ks, unsigned char* gs, uint16_t* As, unsigned char* smem,
+                                                bool per_head, int gate_bytes) {
+  const int mi = lane >> 3, fr = lane >> 2, fc = (lane & 3) * 2;
+  for (int task = warp; task < 16; task += NW) {
+    const int sub = task >> 2, level = task & 3, h = 8 >> level;
+    const uint16_t* src = level_copy<X>(level, qs, ks, gs, smem, L, per_head, gate_bytes);
+    const int jb = lane & 7;
+    const int key_row = sub * 16 + (jb / h) * 2 * h + (jb % h);  // gathered key member
+    const int arow = sub * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; kk += 2) {
+      uint32_t a0[4], a1[4], b[4];
+      ldsm_x4(a0, src + arow * L.pq + kk * 16 + acol);
+      ldsm_x4(a1, src + arow * L.pq + (kk + 1) * 16 + acol);
+      ldsm_x4(b, src + key_row * L.pq + kk * 16 + mi * 8);
+      X::mma(acc, a0, b[0], b[1]);
+      X::mma(acc, a1, b[2], b[3]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = fr + (e >> 1) * 8, j = fc + (e & 1);
+      const int s = (j / h) * 2 * h + (j % h);
+      if (t / (2 * h) == j / h && (t % (2 * h)) >= h) {
+        As[(sub * 16 + t) * L.pa + sub * 16 + s] = X::from_float(acc[e]);
+      }
+    }
+  }
+  // A[t,t] = q_t . k_t: the partials of the sub-chunk's warps (DK/2 threads: one or two warps).
+  const float* dpart = reinterpret_cast<const float*>(smem + L.dpart);
+  if (tid < kChunk) {
+    const int t = tid, sub = t >> 4, r = t & 15;
+    constexpr int kWarpsPerSub = DK / 64;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsPerSub; ++w) sum += dpart[(sub * kWarpsPerSub + w) * 16 + r];
+    As[t * L.pa + t] = X::from_float(sum);
+  }
+}
+
+template <int DK, int BV, typename E, bool MMA_DIAG = false>
 __global__ void __launch_bounds__(BV * 2, 1)
 chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -91,7 +289,8 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
 
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
   const bool per_head = p.gate_per_head != 0;
-  const ChunkSmem L = chunk_smem_layout(DK, BV, gate_bytes, per_head);
+  const ChunkSmem L = chunk_smem_layout(DK, BV, gate_bytes, per_head, MMA_DIAG);
+  static_assert(!MMA_DIAG || BV * 2 == DK * 2, "MMA-diagonal variant: one element-wise item per thread");
   uint16_t* qw = reinterpret_cast<uint16_t*>(smem + L.qw);
   uint16_t* kw = reinterpret_cast<uint16_t*>(smem + L.kw);
   uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a);
@@ -220,7 +419,10 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     if (c + 1 < c_end) issue_loads(c + 1, stage ^ 1);
 
     // ---- 2. element-wise: cumsum, e, qloc, kloc ----
-    for (int item = tid; item < (DK / 2) * 4 && !(p.debug_skip & 4); item += NT) {
+    if constexpr (MMA_DIAG) {
+      if (full) mma_diag_elementwise<DK, X>(p, L, tid, lane, warp, qs, ks, gs, qw, kw, tot, smem);
+    }
+    for (int item = tid; item < (DK / 2) * 4 && !(MMA_DIAG && full) && !(p.debug_skip & 4); item += NT) {
       const int cp = item % (DK / 2), sub = item / (DK / 2);
       const int k0 = cp * 2;
       float cs0[16], cs1[16];
@@ -322,11 +524,14 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
         }
       }
 
+      if constexpr (MMA_DIAG) {
+        mma_diag_levels<DK, NW, X>(L, tid, lane, warp, qs, ks, gs, As, smem, p.gate_per_head != 0, gate_bytes);
+      }
       // Diagonal blocks, element-wise: lanes (rr, ks) = (row in a group of 4, K slice of DK/8).
       constexpr int SL = DK / 8;
       constexpr int RPW = kChunk / NW;  // rows per warp
       const int rr = lane >> 3, ksl = (lane & 7) * SL;
-      for (int pass = 0; pass < RPW / 4 && !(p.debug_skip & 1); ++pass) {
+      for (int pass = 0; pass < RPW / 4 && !MMA_DIAG && !(p.debug_skip & 1); ++pass) {
         const int tgroup = warp * RPW + pass * 4;
         const int t = tgroup + rr;
         const int sub0 = (t >> 4) * 16;

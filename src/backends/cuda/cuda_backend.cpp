@@ -4,6 +4,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <tuple>
 #include <mutex>
@@ -143,6 +145,12 @@ cuda::ForwardParams make_params(const gla_problem& p) {
     for (int i = 0; i < 3; ++i) vec = vec && p.g.strides[i] % 8 == 0;
   }
   f.vector_loads = vec ? 1 : 0;
+  // GLA_CUDA_KERNEL=mma-diag: the tensor-core diagonal-block variant (not yet the default).
+  static const int variant = [] {
+    const char* v = std::getenv("GLA_CUDA_KERNEL");
+    return (v && std::strcmp(v, "mma-diag") == 0) ? 1 : 0;
+  }();
+  f.kernel_variant = variant;
   return f;
 }
 
@@ -156,7 +164,7 @@ cuda::ForwardPlan cached_plan(const cuda::ForwardParams& f, const gla_problem& p
     hash *= 1099511628211ull;
   }
   const int sm_count = device_info(p.device_index).sm_count;
-  const Key key{p.device_index, f.N, f.H, f.K, f.V, f.T, f.dtype, f.gate_dtype, f.gate_per_head, hash};
+  const Key key{p.device_index * 2 + f.kernel_variant, f.N, f.H, f.K, f.V, f.T, f.dtype, f.gate_dtype, f.gate_per_head, hash};
   static std::mutex mutex;
   static std::map<Key, cuda::ForwardPlan> cache;
   {

@@ -147,11 +147,12 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   if (!tensor_core) return plan;
   plan.use_chunk_kernel = 1;
   plan.head_dim_k = p.K <= 64 ? 64 : 128;
-  plan.value_tile = (plan.head_dim_k == 128 && p.V > 64) ? 128 : 64;
+  plan.value_tile = (plan.head_dim_k == 128 && (p.V > 64 || p.kernel_variant == 1)) ? 128 : 64;
   plan.value_tiles = static_cast<int32_t>((p.V + plan.value_tile - 1) / plan.value_tile);
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
   const detail::ChunkSmem L =
-      detail::chunk_smem_layout(plan.head_dim_k, plan.value_tile, gate_bytes, p.gate_per_head != 0);
+      detail::chunk_smem_layout(plan.head_dim_k, plan.value_tile, gate_bytes, p.gate_per_head != 0,
+                                p.kernel_variant == 1);
   const int per_sm = L.total * 2 + 2048 <= 228 * 1024 ? 2 : 1;
   const int slots = std::max(1, sm_count) * per_sm;
 
