@@ -575,10 +575,28 @@ inline void state_step(int64_t L, int64_t K, int64_t bv, const float* k, const G
   gemm(K, bv, L, kl, 1, K, v, bv, S_out, bv, true);
 }
 
+// Rows 2^(b_t) and 2^(b_last - b_t) (L x K each), when a caller has them for several stages.
+struct DecayRows {
+  const float* from_start = nullptr;
+  const float* to_end = nullptr;
+};
+// x[i] * f[i] * s over K floats.
+inline void scale_rows_by(int64_t K, const float* x, const float* f, float s, float* out) {
+  for_vectors(K, [&](int64_t c, int lanes) {
+    vstore_k(out + c, vmul(vmul(vload_k(x + c, lanes), vload_k(f + c, lanes)), vset(s)), lanes);
+  });
+}
+
 // dS (K x V) <- Diag(2^b_last) dS + (scale q ⊙ 2^b)^T do.  qs: L x K, fac: K scratch.
 inline void dstate_step(int64_t L, int64_t K, int64_t V, float scale, const float* q, const Gates& g, const float* dout,
-                        float* dS, float* qs, float* fac) {
-  for (int64_t r = 0; r < L; ++r) scale_exp2_rows(g, q + r * K, r, -1, scale, qs + r * K);
+                        float* dS, float* qs, float* fac, const DecayRows& d = {}) {
+  for (int64_t r = 0; r < L; ++r) {
+    if (d.from_start) {
+      scale_rows_by(K, q + r * K, d.from_start + r * K, scale, qs + r * K);
+    } else {
+      scale_exp2_rows(g, q + r * K, r, -1, scale, qs + r * K);
+    }
+  }
   exp2_rows(g, L - 1, -1, fac);
   for (int64_t kk = 0; kk < K; ++kk) {
     float* row = dS + kk * V;
@@ -590,8 +608,14 @@ inline void dstate_step(int64_t L, int64_t K, int64_t V, float scale, const floa
 
 // dv (L x V) = A^T do + (k ⊙ 2^(b_last - b)) dS_end.  kl: L x K scratch.
 inline void chunk_dv(int64_t L, int64_t K, int64_t V, int64_t C, const float* k, const Gates& g, const float* A,
-                     const float* dout, const float* dS, float* dv, float* kl) {
-  for (int64_t r = 0; r < L; ++r) scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, kl + r * K);
+                     const float* dout, const float* dS, float* dv, float* kl, const DecayRows& d = {}) {
+  for (int64_t r = 0; r < L; ++r) {
+    if (d.to_end) {
+      scale_rows_by(K, k + r * K, d.to_end + r * K, 1.0f, kl + r * K);
+    } else {
+      scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, kl + r * K);
+    }
+  }
   gemm(L, V, K, kl, K, 1, dS, V, dv, V, false);
   const int64_t nsub = (L + kSub - 1) / kSub;
   for (int64_t j = 0; j < nsub; ++j) {
@@ -705,23 +729,28 @@ struct InterScratch {
 // + 2^b_last ⊙ rowsum(S_c ⊙ dS), both running sums in fp64. On entry dq and dk hold the intra parts.
 inline void inter_dqkg(int64_t L, int64_t K, int64_t V, float scale, const float* q, const float* k, const float* v,
                        const Gates& g, const float* dout, const float* Sc, const float* dS, float* dq, float* dk,
-                       float* dg, const InterScratch& s) {
+                       float* dg, const InterScratch& s, const DecayRows& d = {}) {
   transpose(K, V, Sc, V, s.st, K);
   transpose(K, V, dS, V, s.dst, K);
   // dq
   gemm(L, K, V, dout, V, 1, s.st, K, s.tmp, K, false);
   for (int64_t r = 0; r < L; ++r) {
-    exp2_rows(g, r, -1, s.e + r * K);
+    const float* e = d.from_start ? d.from_start + r * K : s.e + r * K;
+    if (!d.from_start) exp2_rows(g, r, -1, s.e + r * K);
     for_vectors(K, [&](int64_t c, int lanes) {
-      const vf x = vmul(vmul(vload_k(s.tmp + r * K + c, lanes), vload_k(s.e + r * K + c, lanes)), vset(scale));
+      const vf x = vmul(vmul(vload_k(s.tmp + r * K + c, lanes), vload_k(e + c, lanes)), vset(scale));
       vstore_k(dq + r * K + c, vadd(vload_k(dq + r * K + c, lanes), x), lanes);
     });
   }
   // dk_inter into tmp
   gemm(L, K, V, v, V, 1, s.dst, K, s.tmp, K, false);
   for (int64_t r = 0; r < L; ++r) {
-    exp2_rows(g, L - 1, r, s.e + r * K);
-    mul_inplace(K, s.tmp + r * K, s.e + r * K);
+    if (d.to_end) {
+      mul_inplace(K, s.tmp + r * K, d.to_end + r * K);
+    } else {
+      exp2_rows(g, L - 1, r, s.e + r * K);
+      mul_inplace(K, s.tmp + r * K, s.e + r * K);
+    }
   }
   if (dg) {
     exp2_rows(g, L - 1, -1, s.base);
@@ -826,6 +855,7 @@ inline int64_t max_chunks_per_sequence(const gla_problem& p, int64_t C) {
 
 struct Tiles {
   double* rund;
+  float *es, *ee;
   float *q, *k, *b, *blo, *v, *dout, *A, *dA, *o, *S, *dS, *wd, *dq, *dk, *dg, *dv, *kl, *run, *states;
   IntraScratch intra;
   DqkScratch dqk;
@@ -843,6 +873,8 @@ inline Tiles carve(const gla_problem& p, int64_t group, float* base, size_t* tot
   t.q = a.take(G * C * K);
   t.k = a.take(G * C * K);
   t.b = a.take(G * C * K);
+  t.es = a.take(C * K);
+  t.ee = a.take(C * K);
   t.blo = a.take(G * C * K);
   t.rund = reinterpret_cast<double*>(a.take(2 * K));  // used only as doubles
   t.v = a.take(G * C * bv);
@@ -970,16 +1002,22 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
       float *dq = t.dq + j * ck, *dk = t.dk + j * ck, *dg = t.dg + j * ck, *dv = t.dv + j * cv;
       cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
       const Gates gates{b, blo, K};
+      // 2^(b_t) and 2^(b_last - b_t) once for dv, dq, dk and the dS step
+      for (int64_t r = 0; r < L; ++r) {
+        exp2_rows(gates, r, -1, t.es + r * K);
+        exp2_rows(gates, L - 1, r, t.ee + r * K);
+      }
+      const DecayRows decay{t.es, t.ee};
       if (want_dqk || has(p.dv)) {
         intra_attention(L, K, C, scale, q, kt, gates, t.A, L, want_dqk ? t.wd : nullptr, t.intra);
-        if (has(p.dv)) chunk_dv(L, K, V, C, kt, gates, t.A, dout, dS, dv, t.kl);
+        if (has(p.dv)) chunk_dv(L, K, V, C, kt, gates, t.A, dout, dS, dv, t.kl, decay);
         if (want_dqk) {
           intra_dA(L, V, C, scale, dout, v, t.dA, L, t.vt);
           std::memset(dq, 0, static_cast<size_t>(L * K) * 4);
           std::memset(dk, 0, static_cast<size_t>(L * K) * 4);
           intra_dqk(L, K, C, q, kt, gates, t.dA, t.wd, dq, dk, t.dqk);
           inter_dqkg(L, K, V, scale, q, kt, v, gates, dout, t.states + j * states_per_head + c * kv, dS, dq, dk,
-                     has(p.dg) ? dg : nullptr, t.inter);
+                     has(p.dg) ? dg : nullptr, t.inter, decay);
           add_self_terms(L, K, C, q, kt, t.dA, dq, dk);
           if (has(p.dg) && p.gate_per_head) {  // dg of a per-head gate: the sum over K, into column 0
             for (int64_t r = 0; r < L; ++r) {
@@ -990,7 +1028,7 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
           }
         }
       }
-      dstate_step(L, K, V, scale, q, gates, dout, dS, t.kl, t.run);
+      dstate_step(L, K, V, scale, q, gates, dout, dS, t.kl, t.run, decay);
     }
     if (has(p.dv)) store_tiles(p.dv, sp.batch, t0, L, h0, G, 0, V, t.dv, cv, V);
     if (has(p.dq)) store_tiles(p.dq, sp.batch, t0, L, h0, G, 0, K, t.dq, ck, K);
