@@ -1,6 +1,13 @@
 #!/bin/bash
 # Runs on the device machine from the repo root: the standalone harness (built here, carried in
 # build-cuda/), then optional extra steps. Logs go to $OUT.
+# Build first, on the development machine (the device call carries build-cuda/ and .whl/):
+#   cmake -S . -B build-cuda -G Ninja -DGLA_CUDA=ON && ninja -C build-cuda gla gla_tests
+#   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude -o build-cuda/harness \
+#     bench/cuda/harness.cu src/backends/cuda/forward.cu src/backends/cuda/chunk_forward_d64.cu \
+#     src/backends/cuda/chunk_forward_d128.cu
+# Next validation call (one call, about 4 minutes):
+#   bash bench/cuda/device_run.sh check variant gtest sanitize
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

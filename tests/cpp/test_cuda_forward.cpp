@@ -51,8 +51,12 @@ struct DeviceTensor {
     t = h.t;
     bytes = static_cast<size_t>(numel(h.t) * dtype_size(h.t.dtype));
     EXPECT_EQ(cudaMalloc(&ptr, bytes > 0 ? bytes : 16), cudaSuccess);
-    if (copy && bytes) EXPECT_EQ(cudaMemcpy(ptr, h.t.data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    if (!copy) EXPECT_EQ(cudaMemset(ptr, 0xff, bytes > 0 ? bytes : 16), cudaSuccess);  // NaN poison
+    if (copy && bytes) {
+      EXPECT_EQ(cudaMemcpy(ptr, h.t.data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    if (!copy) {
+      EXPECT_EQ(cudaMemset(ptr, 0xff, bytes > 0 ? bytes : 16), cudaSuccess);  // NaN poison
+    }
     t.data = ptr;
     t.device_type = GLA_DEVICE_CUDA;
     t.device_index = 0;
@@ -122,7 +126,9 @@ void check_case(const Case& c, bool host_offsets = true) {
   std::string report;
   const double err = max_error(got.out, ref, false, report);
   EXPECT_TRUE(all_finite(got.out.o)) << "unwritten or non-finite o";
-  if (!got.out.ht.empty()) EXPECT_TRUE(all_finite(got.out.ht)) << "unwritten or non-finite final state";
+  if (!got.out.ht.empty()) {
+    EXPECT_TRUE(all_finite(got.out.ht)) << "unwritten or non-finite final state";
+  }
   EXPECT_LT(err, tolerance(c.dtype)) << report;
 }
 
