@@ -189,20 +189,28 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
         invalid("cu_seqlens_host: expected an int32/int64 host copy of shape " + shape_string(cu) + ", got " +
                 std::string(dtype_name(hc.dtype)) + " " + shape_string(hc));
       }
-      if (!metadata_only) load_sequence_offsets(out, hc.data);
-    } else if (host_accessible(cu.device_type)) {
-      if (!metadata_only) load_sequence_offsets(out, cu.data);
-    } else {
-      out.offsets_need_copy = !metadata_only;
+      // Host memory is readable even for metadata-only queries (workspace sizing, explain), so
+      // backends that plan from the offsets see the real ones there too.
+      if (hc.data) load_sequence_offsets(out, hc.data);
+    } else if (host_accessible(cu.device_type) && cu.data) {
+      load_sequence_offsets(out, cu.data);
+    }
+    if (out.seq_offsets.empty() && !metadata_only) {
+      if (!host_accessible(cu.device_type)) {
+        out.offsets_need_copy = true;
+      } else {
+        load_sequence_offsets(out, cu.data);  // NULL data was rejected above unless N + 1 == 0
+      }
     }
   } else if (in.cu_seqlens_host) {
     invalid("cu_seqlens_host: given without cu_seqlens");
   }
   p.N = N;
-  if (!p.varlen || metadata_only) {
+  if (!p.varlen || (metadata_only && out.seq_offsets.empty())) {
     out.seq_offsets.resize(static_cast<size_t>(N + 1));
-    // Without cu_seqlens each sequence is its own batch row, starting at token 0 of that row; for
-    // explain() of a varlen problem the offsets are unknown and only the count matters.
+    // Without cu_seqlens each sequence is its own batch row, starting at token 0 of that row; for a
+    // metadata-only query of a varlen problem whose offsets live on a device they are unknown and
+    // only the count matters.
     for (int64_t n = 0; n <= N; ++n) out.seq_offsets[n] = p.varlen ? 0 : n * T;
   }
 
