@@ -473,17 +473,27 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
     float* w = wd ? wd + i * kPairs * K : nullptr;
     for (int64_t t = 0; t < ni; ++t) {
       const float* qt = q + (r0 + t) * K;
+      const float* bth = g.hi + (r0 + t) * K;
+      const float* btl = g.lo + (r0 + t) * K;
       float* arow = A + (r0 + t) * C;
-      for (int64_t u = (split && t >= kHalf) ? kHalf : 0; u <= t; ++u) {
-        const float* ks = k + (r0 + u) * K;
-        float* wp = w ? w + (t * (t + 1) / 2 + u) * K : nullptr;
-        vf acc = vzero();
+      // Keys in groups of up to kKeys: independent accumulators (one chain per key would be
+      // FMA-latency bound) and one load of the query row's data per group.
+      constexpr int kKeys = 4;
+      for (int64_t u0 = (split && t >= kHalf) ? kHalf : 0; u0 <= t; u0 += kKeys) {
+        const int nk = static_cast<int>(std::min<int64_t>(kKeys, t + 1 - u0));
+        vf acc[kKeys];
+        for (int m = 0; m < kKeys; ++m) acc[m] = vzero();
         for_vectors(K, [&](int64_t c, int lanes) {
-          const vf e = vexp2(gate_diff(g, r0 + t, r0 + u, c, lanes));
-          if (wp) vstore_k(wp + c, e, lanes);
-          acc = vfma(vmul(vload_k(qt + c, lanes), vload_k(ks + c, lanes)), e, acc);
+          const vf qv = vload_k(qt + c, lanes), bh = vload_k(bth + c, lanes), bl = vload_k(btl + c, lanes);
+          for (int m = 0; m < nk; ++m) {
+            const int64_t s = r0 + u0 + m;
+            const vf x = vadd(vsub(bh, vload_k(g.hi + s * K + c, lanes)), vsub(bl, vload_k(g.lo + s * K + c, lanes)));
+            const vf e = vexp2(x);
+            if (w) vstore_k(w + (t * (t + 1) / 2 + u0 + m) * K + c, e, lanes);
+            acc[m] = vfma(vmul(qv, vload_k(k + s * K + c, lanes)), e, acc[m]);
+          }
         });
-        arow[r0 + u] = scale * vsum(acc);
+        for (int m = 0; m < nk; ++m) arow[r0 + u0 + m] = scale * vsum(acc[m]);
       }
       for (int64_t u = r0 + t + 1; u < zero_to; ++u) arow[u] = 0.0f;
     }
