@@ -156,7 +156,9 @@ Result run_both(const Inputs& in, const RunOptions& options) {
 // Every output the call should have written is finite (outputs start as NaN).
 void expect_all_written(const Outputs& out, const std::string& label) {
   for (const HostTensor* t : {&out.o, &out.ht, &out.dq, &out.dk, &out.dv, &out.dg, &out.dh0}) {
-    if (!t->empty()) EXPECT_TRUE(all_finite(*t)) << label << ": an output element was not written (or is not finite)";
+    if (!t->empty()) {
+      EXPECT_TRUE(all_finite(*t)) << label << ": an output element was not written (or is not finite)";
+    }
   }
 }
 
