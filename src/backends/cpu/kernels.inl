@@ -265,7 +265,7 @@ inline void load_gcum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L
 // ---------------------------------------------------------------------------------------------
 template <int MR, int NV, bool Full>
 inline void gemm_tile(int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b, int64_t ldb, float* c,
-                      int64_t ldc, int nlast, bool accumulate) {
+                      int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
   vf acc[MR][NV];
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NV; ++j) {
@@ -276,6 +276,7 @@ inline void gemm_tile(int64_t D, const float* a, int64_t rsa, int64_t csa, const
       } else {
         acc[i][j] = vload_n(c + i * ldc + j * W, nlast);
       }
+      if (accumulate && row_scale) acc[i][j] = vmul(acc[i][j], vset(row_scale[i]));
     }
   }
   for (int64_t d = 0; d < D; ++d) {
@@ -301,32 +302,37 @@ inline void gemm_tile(int64_t D, const float* a, int64_t rsa, int64_t csa, const
 
 template <int MR, int NV>
 inline void gemm_tile_dispatch_full(bool full, int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b,
-                                    int64_t ldb, float* c, int64_t ldc, int nlast, bool accumulate) {
+                                    int64_t ldb, float* c, int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
   if (full) {
-    gemm_tile<MR, NV, true>(D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate);
+    gemm_tile<MR, NV, true>(D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale);
   } else {
-    gemm_tile<MR, NV, false>(D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate);
+    gemm_tile<MR, NV, false>(D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale);
   }
 }
 
 template <int MR>
 inline void gemm_tile_dispatch_vecs(int nv, bool full, int64_t D, const float* a, int64_t rsa, int64_t csa,
-                                    const float* b, int64_t ldb, float* c, int64_t ldc, int nlast, bool accumulate) {
+                                    const float* b, int64_t ldb, float* c, int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
   static_assert(kTileVecs >= 1 && kTileVecs <= 4, "tile width");
   switch (nv) {
-    case 1: gemm_tile_dispatch_full<MR, 1>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate); break;
-    case 2: if constexpr (kTileVecs >= 2) gemm_tile_dispatch_full<MR, 2>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate); break;
-    case 3: if constexpr (kTileVecs >= 3) gemm_tile_dispatch_full<MR, 3>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate); break;
-    default: if constexpr (kTileVecs >= 4) gemm_tile_dispatch_full<MR, 4>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate); break;
+    case 1: gemm_tile_dispatch_full<MR, 1>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale); break;
+    case 2: if constexpr (kTileVecs >= 2) gemm_tile_dispatch_full<MR, 2>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale); break;
+    case 3: if constexpr (kTileVecs >= 3) gemm_tile_dispatch_full<MR, 3>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale); break;
+    default: if constexpr (kTileVecs >= 4) gemm_tile_dispatch_full<MR, 4>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale); break;
   }
 }
 
+// With accumulate and row_scale (M floats), C is first scaled by row: C = Diag(row_scale) C + A B.
 inline void gemm(int64_t M, int64_t N, int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b, int64_t ldb,
-                 float* c, int64_t ldc, bool accumulate) {
+                 float* c, int64_t ldc, bool accumulate, const float* row_scale = nullptr) {
   if (M <= 0 || N <= 0) return;
   if (D <= 0) {
-    if (!accumulate) {
-      for (int64_t i = 0; i < M; ++i) std::memset(c + i * ldc, 0, static_cast<size_t>(N) * 4);
+    for (int64_t i = 0; i < M; ++i) {
+      if (!accumulate) {
+        std::memset(c + i * ldc, 0, static_cast<size_t>(N) * 4);
+      } else if (row_scale) {
+        for (int64_t j = 0; j < N; ++j) c[i * ldc + j] *= row_scale[i];
+      }
     }
     return;
   }
@@ -341,15 +347,16 @@ inline void gemm(int64_t M, int64_t N, int64_t D, const float* a, int64_t rsa, i
       const float* ai = a + i0 * rsa;
       float* ci = c + i0 * ldc + j0;
       const float* bj = b + j0;
+      const float* rs = row_scale ? row_scale + i0 : nullptr;
       switch (mr) {
-        case 8: if constexpr (kTileRows >= 8) gemm_tile_dispatch_vecs<8>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
-        case 7: if constexpr (kTileRows >= 7) gemm_tile_dispatch_vecs<7>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
-        case 6: if constexpr (kTileRows >= 6) gemm_tile_dispatch_vecs<6>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
-        case 5: if constexpr (kTileRows >= 5) gemm_tile_dispatch_vecs<5>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
-        case 4: gemm_tile_dispatch_vecs<4>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
-        case 3: gemm_tile_dispatch_vecs<3>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
-        case 2: gemm_tile_dispatch_vecs<2>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
-        default: gemm_tile_dispatch_vecs<1>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate); break;
+        case 8: if constexpr (kTileRows >= 8) gemm_tile_dispatch_vecs<8>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
+        case 7: if constexpr (kTileRows >= 7) gemm_tile_dispatch_vecs<7>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
+        case 6: if constexpr (kTileRows >= 6) gemm_tile_dispatch_vecs<6>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
+        case 5: if constexpr (kTileRows >= 5) gemm_tile_dispatch_vecs<5>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
+        case 4: gemm_tile_dispatch_vecs<4>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
+        case 3: gemm_tile_dispatch_vecs<3>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
+        case 2: gemm_tile_dispatch_vecs<2>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
+        default: gemm_tile_dispatch_vecs<1>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
       }
     }
   }
@@ -534,12 +541,7 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
   for (int64_t r = last0; r < L; ++r) scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, s.krow + (r - last0) * K);
   transpose(L - last0, K, s.krow, K, s.kpt + last0, C);
   exp2_rows(g, L - 1, -1, fac);
-  for (int64_t kk = 0; kk < K; ++kk) {
-    float* row = S + kk * bv;
-    const vf f = vset(fac[kk]);
-    for_vectors(bv, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
-  }
-  gemm(K, bv, L, s.kpt, C, 1, v, bv, S, bv, true);
+  gemm(K, bv, L, s.kpt, C, 1, v, bv, S, bv, true, fac);  // S = Diag(2^b_last) S + kl^T v
 }
 
 // dA[t][s] = scale * do_t . v_s for s <= t < L; 0 for t < s < zero_to. vt: V x C scratch.
@@ -608,12 +610,7 @@ inline void dstate_step(int64_t L, int64_t K, int64_t V, float scale, const floa
     }
   }
   exp2_rows(g, L - 1, -1, fac);
-  for (int64_t kk = 0; kk < K; ++kk) {
-    float* row = dS + kk * V;
-    const vf f = vset(fac[kk]);
-    for_vectors(V, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
-  }
-  gemm(K, V, L, qs, 1, K, dout, V, dS, V, true);
+  gemm(K, V, L, qs, 1, K, dout, V, dS, V, true, fac);  // dS = Diag(2^b_last) dS + qs^T do
 }
 
 // dv (L x V) = A^T do + (k ⊙ 2^(b_last - b)) dS_end.  kl: L x K scratch.
