@@ -11,7 +11,7 @@ status=0
 log=build/Testing/Temporary/LastTest.log
 if [ -f "$log" ] && grep -q ": Skipped" "$log"; then
   echo "C++ tests skipped: $(grep -c '^\[  SKIPPED \] .* ms)' "$log") — reasons:"
-  grep -A1 ": Skipped$" "$log" | grep -v -e ": Skipped$" -e '^--$' | sort | uniq -c | sed 's/^/  /'
+  grep -A1 ": Skipped$" "$log" | grep -v -e ": Skipped$" -e '^--$' | sort | uniq -c | sed 's/^/  /' || true
 fi
 if [ -d tests/python ] && ls tests/python/test_*.py >/dev/null 2>&1; then
   GLA_LIBRARY="$PWD/build/libgla.so" python3 -m pytest -q -rs tests/python || status=1
