@@ -113,7 +113,8 @@ struct Buffer {
 
 // Scratch kept between calls: fresh pages cost a fault and a kernel memset each (~10% of a
 // backward at B1 T4096 H16 D128 before this cache). Buffers above kKeepBytes are freed after the
-// call, so a very long sequence does not pin its chunk states for the life of the process.
+// call, so a very long sequence does not pin its chunk states for the life of the process, and at
+// most kKeepTotalBytes stay cached in all.
 class ScratchCache {
  public:
   Buffer take(size_t floats) {
@@ -121,6 +122,7 @@ class ScratchCache {
       std::lock_guard lock(mutex_);
       for (size_t i = 0; i < free_.size(); ++i) {
         if (free_[i].floats >= floats) {
+          kept_ -= free_[i].floats * sizeof(float);
           Buffer b = std::move(free_[i]);
           free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(i));
           return b;
@@ -135,13 +137,19 @@ class ScratchCache {
   void give(Buffer b) {
     if (!b.data || b.floats * sizeof(float) > kKeepBytes) return;
     std::lock_guard lock(mutex_);
-    if (free_.size() >= kKeepBuffers) free_.erase(free_.begin());
+    kept_ += b.floats * sizeof(float);
     free_.push_back(std::move(b));
+    while (free_.size() > kKeepBuffers || kept_ > kKeepTotalBytes) {  // oldest first
+      kept_ -= free_.front().floats * sizeof(float);
+      free_.erase(free_.begin());
+    }
   }
 
  private:
   static constexpr size_t kKeepBytes = size_t{64} << 20;
+  static constexpr size_t kKeepTotalBytes = size_t{256} << 20;
   static constexpr size_t kKeepBuffers = 16;
+  size_t kept_ = 0;
   std::mutex mutex_;
   std::vector<Buffer> free_;
 };
