@@ -150,16 +150,18 @@ inline void store_tile(const gla_tensor& x, int64_t batch, int64_t t0, int64_t r
 // State (sequence n, head h) restricted to value columns [v0, v0 + bv) as a K x bv tile, in either
 // layout ([K, V] or [V, K] with state_v_first).
 inline void load_state(const gla_problem& p, const gla_tensor& s, int64_t n, int64_t h, int64_t v0, int64_t bv,
-                       float* dst) {
+                       float* dst, int64_t ld = -1) {
+  if (ld < 0) ld = bv;
   const int64_t sk = p.state_v_first ? s.strides[3] : s.strides[2];
   const int64_t sv = p.state_v_first ? s.strides[2] : s.strides[3];
-  for (int64_t i = 0; i < p.K; ++i) load_row(s, n * s.strides[0] + h * s.strides[1] + i * sk + v0 * sv, sv, bv, dst + i * bv);
+  for (int64_t i = 0; i < p.K; ++i) load_row(s, n * s.strides[0] + h * s.strides[1] + i * sk + v0 * sv, sv, bv, dst + i * ld);
 }
 inline void store_state(const gla_problem& p, const gla_tensor& s, int64_t n, int64_t h, int64_t v0, int64_t bv,
-                        const float* src) {
+                        const float* src, int64_t ld = -1) {
+  if (ld < 0) ld = bv;
   const int64_t sk = p.state_v_first ? s.strides[3] : s.strides[2];
   const int64_t sv = p.state_v_first ? s.strides[2] : s.strides[3];
-  for (int64_t i = 0; i < p.K; ++i) store_row(s, n * s.strides[0] + h * s.strides[1] + i * sk + v0 * sv, sv, bv, src + i * bv);
+  for (int64_t i = 0; i < p.K; ++i) store_row(s, n * s.strides[0] + h * s.strides[1] + i * sk + v0 * sv, sv, bv, src + i * ld);
 }
 // Stage buffers h / dh: [NC, H, K, V] fp32 (always key-major).
 inline float* chunk_state(const gla_tensor& s, int64_t chunk, int64_t h) {
@@ -513,8 +515,8 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
 // so k_s 2^(b_last - b_s) is that times 2^(b_last - p_last) (<= 0). That turns 96 of the chunk's
 // 128 row exponentials for o and the state into multiplies. qe: L x K, fac: K scratch.
 inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float scale, const float* q, const float* k,
-                          const Gates& g, const float* v, float* S, float* o, float* A, const IntraScratch& s, float* qe,
-                          float* fac) {
+                          const Gates& g, const float* v, float* S, int64_t lds, float* o, float* A, const IntraScratch& s,
+                          float* qe, float* fac) {
   const int64_t nsub = (L + kSub - 1) / kSub;
   intra_attention(L, K, C, scale, q, k, g, A, std::min(C, nsub * kSub), nullptr, s, qe);
   for (int64_t t = 0; t < std::min(kSub, L); ++t) scale_exp2_rows(g, q + t * K, t, -1, scale, qe + t * K);
@@ -523,7 +525,7 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
     exp2_rows(g, r0, -1, fac);
     for (int64_t t = 0; t < ni; ++t) mul_inplace(K, qe + (r0 + t) * K, fac);
   }
-  gemm(L, bv, K, qe, K, 1, S, bv, o, bv, false);
+  gemm(L, bv, K, qe, K, 1, S, lds, o, bv, false);
   for (int64_t i = 0; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
     gemm(ni, bv, r0 + ni, A + r0 * C, C, 1, v, bv, o + r0 * bv, bv, true);
@@ -541,7 +543,7 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
   for (int64_t r = last0; r < L; ++r) scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, s.krow + (r - last0) * K);
   transpose(L - last0, K, s.krow, K, s.kpt + last0, C);
   exp2_rows(g, L - 1, -1, fac);
-  gemm(K, bv, L, s.kpt, C, 1, v, bv, S, bv, true, fac);  // S = Diag(2^b_last) S + kl^T v
+  gemm(K, bv, L, s.kpt, C, 1, v, bv, S, lds, true, fac);  // S = Diag(2^b_last) S + kl^T v
 }
 
 // dA[t][s] = scale * do_t . v_s for s <= t < L; 0 for t < s < zero_to. vt: V x C scratch.
@@ -860,6 +862,14 @@ inline int64_t max_chunks_per_sequence(const gla_problem& p, int64_t C) {
   return m;
 }
 
+// Leading dimension of a tile read by the products as their B operand over many rows: rows 512 B
+// apart (128 floats) map onto 1/8 of the L1 sets, and a 128 x 48 panel (24 KiB) no longer fits a
+// 12-way 48 KiB L1. One extra 64-byte line per row spreads the rows over all sets.
+inline int64_t padded_ld(int64_t n) {
+  const int64_t r = (n + 15) / 16 * 16;
+  return r % 64 == 0 ? r + 16 : r;
+}
+
 struct Tiles {
   double* rund;
   float *es, *ee;
@@ -890,7 +900,7 @@ inline Tiles carve(const gla_problem& p, int64_t group, float* base, size_t* tot
   t.A = a.take(C * C);
   t.dA = a.take(C * C);
   t.o = a.take(G * C * bv);
-  t.S = a.take(G * K * bv);
+  t.S = a.take(G * K * padded_ld(bv));
   t.dS = a.take(Gb * K * V);
   t.wd = a.take(nsub * kPairs * K);
   t.dq = a.take(Gb * C * K);
@@ -912,11 +922,13 @@ inline Tiles carve(const gla_problem& p, int64_t group, float* base, size_t* tot
 // ---------------------------------------------------------------------------------------------
 // Work items
 // ---------------------------------------------------------------------------------------------
-inline void load_initial_state(const gla_problem& p, int64_t n, int64_t h, int64_t v0, int64_t bv, float* S) {
+inline void load_initial_state(const gla_problem& p, int64_t n, int64_t h, int64_t v0, int64_t bv, float* S,
+                               int64_t ld = -1) {
+  if (ld < 0) ld = bv;
   if (has(p.initial_state)) {
-    load_state(p, p.initial_state, n, h, v0, bv, S);
+    load_state(p, p.initial_state, n, h, v0, bv, S, ld);
   } else {
-    std::memset(S, 0, static_cast<size_t>(p.K * bv) * 4);
+    std::memset(S, 0, static_cast<size_t>(p.K * ld) * 4);
   }
 }
 
@@ -928,9 +940,10 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
   const int64_t v0 = vt * bw, bv = std::min(bw, p.V - v0);
   const Span sp = span_of(p, n);
   const int64_t K = p.K, C = kChunk;
-  const int64_t ck = C * K, cv = C * bv, kv = K * bv;
+  const int64_t lds = padded_ld(bv);
+  const int64_t ck = C * K, cv = C * bv, kv = K * lds;
   const float scale = static_cast<float>(p.scale);
-  for (int64_t j = 0; j < G; ++j) load_initial_state(p, n, h0 + j, v0, bv, t.S + j * kv);
+  for (int64_t j = 0; j < G; ++j) load_initial_state(p, n, h0 + j, v0, bv, t.S + j * kv, lds);
   for (int64_t c0 = 0; c0 < sp.length; c0 += C) {
     const int64_t L = std::min(C, sp.length - c0), t0 = sp.start + c0;
     load_tiles(p.q, sp.batch, t0, L, h0, G, 0, K, t.q, ck, K);
@@ -942,12 +955,12 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
       float *v = t.v + j * cv, *o = t.o + j * cv, *S = t.S + j * kv;
       cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
       const Gates gates{b, blo, K};
-      forward_chunk(L, K, bv, C, scale, q, k, gates, v, S, o, t.A, t.intra, t.kl, t.run);
+      forward_chunk(L, K, bv, C, scale, q, k, gates, v, S, lds, o, t.A, t.intra, t.kl, t.run);
     }
     store_tiles(p.o, sp.batch, t0, L, h0, G, v0, bv, t.o, cv, bv);
   }
   if (has(p.final_state)) {
-    for (int64_t j = 0; j < G; ++j) store_state(p, p.final_state, n, h0 + j, v0, bv, t.S + j * kv);
+    for (int64_t j = 0; j < G; ++j) store_state(p, p.final_state, n, h0 + j, v0, bv, t.S + j * kv, lds);
   }
 }
 
