@@ -932,20 +932,6 @@ inline void load_initial_state(const gla_problem& p, int64_t n, int64_t h, int64
   }
 }
 
-// Prefetch (into L2) rows [r0, r1) of heads [h0, h0 + G), columns [d0, d0 + cols) of a contiguous
-// fp32 [B, T, H, D] tensor: the group's part of each row is one contiguous run.
-inline void prefetch_rows(const gla_tensor& x, int64_t batch, int64_t t0, int64_t r0, int64_t r1, int64_t h0, int64_t G,
-                          int64_t d0, int64_t cols) {
-  if (x.dtype != GLA_DTYPE_F32 || x.rank != 4 || x.strides[3] != 1) return;
-  const char* base = static_cast<const char*>(x.data);
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t j = 0; j < G; ++j) {
-      const char* row = base + element_offset(x, batch, t0 + r, h0 + j, d0) * 4;
-      for (int64_t b = 0; b < cols * 4; b += 64) __builtin_prefetch(row + b, 0, 2);
-    }
-  }
-}
-
 // Whole forward: item = (sequence, group of heads, value tile); the group walks its chunks together.
 inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const Tiles& t) {
   const int64_t nt = value_tiles(p), bw = value_tile_width(p), ngroups = (p.H + group - 1) / group;
@@ -964,15 +950,7 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
     load_tiles(p.k, sp.batch, t0, L, h0, G, 0, K, t.k, ck, K);
     load_tiles(p.v, sp.batch, t0, L, h0, G, v0, bv, t.v, cv, bv);
     load_tiles(p.g, sp.batch, t0, L, h0, G, 0, p.gate_per_head ? 1 : K, t.b, ck, K);
-    const int64_t nL = std::min(C, sp.length - c0 - C);  // next chunk's rows
     for (int64_t j = 0; j < G; ++j) {
-      if (nL > 0) {  // 1/G of the next chunk's rows, one chunk of compute ahead
-        const int64_t r0 = j * nL / G, r1 = (j + 1) * nL / G;
-        prefetch_rows(p.q, sp.batch, t0 + C, r0, r1, h0, G, 0, K);
-        prefetch_rows(p.k, sp.batch, t0 + C, r0, r1, h0, G, 0, K);
-        prefetch_rows(p.v, sp.batch, t0 + C, r0, r1, h0, G, v0, bv);
-        prefetch_rows(p.g, sp.batch, t0 + C, r0, r1, h0, G, 0, K);
-      }
       float *q = t.q + j * ck, *k = t.k + j * ck, *b = t.b + j * ck, *blo = t.blo + j * ck;
       float *v = t.v + j * cv, *o = t.o + j * cv, *S = t.S + j * kv;
       cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
