@@ -15,6 +15,8 @@
 // Run: build-cpu/bench/bench_cpu --benchmark_min_time=2
 #include <benchmark/benchmark.h>
 
+#include "gla/gla.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -130,19 +132,7 @@ struct Problem {
 };
 
 gla_tensor describe(std::vector<float>& data, std::initializer_list<int64_t> sizes) {
-  gla_tensor t{};
-  t.data = data.data();
-  t.dtype = GLA_DTYPE_F32;
-  t.device_type = GLA_DEVICE_CPU;
-  t.rank = static_cast<int32_t>(sizes.size());
-  int i = 0;
-  for (int64_t s : sizes) t.sizes[i++] = s;
-  int64_t stride = 1;
-  for (int j = t.rank - 1; j >= 0; --j) {
-    t.strides[j] = stride;
-    stride *= t.sizes[j];
-  }
-  return t;
+  return gla::tensor(data.data(), GLA_DTYPE_F32, sizes);
 }
 
 Problem make_problem(int64_t T, int64_t H) {
