@@ -300,6 +300,15 @@ GLA_API gla_status gla_register_backend(const gla_backend_desc* desc);
 /* Removes a backend registered through gla_register_backend. */
 GLA_API gla_status gla_unregister_backend(const char* name);
 
+/* Plugins: a shared library that exports
+ *     gla_status gla_plugin_register(void);
+ * which calls gla_register_backend for each backend it brings. gla_load_plugin loads one (the
+ * library stays loaded for the life of the process: the registry keeps its callbacks). The
+ * environment variable GLA_PLUGINS=path:path:... loads plugins when the registry is first used; a
+ * plugin that fails to load there is reported on stderr and skipped. */
+#define GLA_PLUGIN_ENTRY_POINT "gla_plugin_register"
+GLA_API gla_status gla_load_plugin(const char* path);
+
 #ifdef __cplusplus
 }
 #endif

@@ -163,6 +163,14 @@ gla_status gla_register_backend(const gla_backend_desc* desc) {
   });
 }
 
+gla_status gla_load_plugin(const char* path) {
+  return guarded([&] {
+    if (!path || !*path) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "path: expected a shared library path, got none");
+    gla::Registry::instance();  // built-in backends and GLA_PLUGINS first
+    gla::load_plugin(path);
+  });
+}
+
 gla_status gla_unregister_backend(const char* name) {
   return guarded([&] {
     if (!name || !gla::Registry::instance().remove(name)) {

@@ -1,6 +1,7 @@
 #include "core/registry.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -24,6 +25,25 @@ std::vector<std::string> split_list(const char* text) {
 
 Registry::Registry() = default;
 
+namespace {
+// GLA_PLUGINS, once per process. A plugin registers its backends by calling back into the registry,
+// so the loading thread must not wait on its own initialisation: `loading` lets it through.
+void load_environment_plugins() {
+  const char* list = std::getenv("GLA_PLUGINS");
+  if (!list) return;
+  std::stringstream stream(list);
+  std::string path;
+  while (std::getline(stream, path, ':')) {
+    if (path.empty()) continue;
+    try {
+      load_plugin(path);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[gla] GLA_PLUGINS: %s (skipped)\n", e.what());
+    }
+  }
+}
+}  // namespace
+
 Registry& Registry::instance() {
   // Built on first use, so the built-in backends' availability probes run lazily and once.
   static Registry* registry = [] {
@@ -31,6 +51,13 @@ Registry& Registry::instance() {
     register_builtin_backends(*r);
     return r;
   }();
+  static std::once_flag plugins_loaded;
+  static thread_local bool loading = false;
+  if (!loading) {
+    loading = true;
+    std::call_once(plugins_loaded, load_environment_plugins);
+    loading = false;
+  }
   return *registry;
 }
 

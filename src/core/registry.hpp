@@ -42,4 +42,7 @@ class Registry {
 
 void register_builtin_backends(Registry& registry);
 
+// dlopen()s a plugin and calls its gla_plugin_register (throws gla::Error with the reason).
+void load_plugin(const std::string& path);
+
 }  // namespace gla
