@@ -7,12 +7,12 @@ The package talks to libgla only through its C ABI (ctypes), so one build serves
 version. Importing it loads libgla and registers the portable `torch` backend (docs/python.md).
 """
 from . import _ops  # registers the gla::chunk_fwd / gla::chunk_bwd operators
-from ._api import (BackendInfo, backend, backends, chunk_gla, explain, library_path, policy, set_backend_enabled,
-                   version)
+from ._api import (BackendInfo, backend, backends, chunk_gla, explain, library_path, load_plugin, policy,
+                   set_backend_enabled, version)
 from ._lib import GlaError
 
-__all__ = ["chunk_gla", "backends", "explain", "backend", "policy", "set_backend_enabled", "BackendInfo",
-           "GlaError", "library_path", "version"]
+__all__ = ["chunk_gla", "backends", "explain", "backend", "policy", "set_backend_enabled", "load_plugin",
+           "BackendInfo", "GlaError", "library_path", "version"]
 
 try:
     _ops.ensure_loaded()

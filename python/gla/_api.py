@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -84,6 +85,13 @@ def set_backend_enabled(name: str, enabled: bool = True) -> None:
     """Switches a backend on or off for this process (like GLA_DISABLE)."""
     lib = _ops.ensure_loaded()
     _lib.raise_for(lib.gla_backend_set_enabled(name.encode(), int(bool(enabled))))
+
+
+def load_plugin(path: str) -> None:
+    """Loads an out-of-tree backend: a shared library exporting ``gla_plugin_register`` (see gla.h).
+    Its backends join the registry (``gla.backends()``, ``gla.explain``) like the built-in ones."""
+    lib = _ops.ensure_loaded()
+    _lib.raise_for(lib.gla_load_plugin(os.fsencode(path)))
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None,

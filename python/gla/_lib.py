@@ -166,6 +166,7 @@ def _declare(lib):
                                   c.POINTER(c.c_char_p)]),
         "gla_register_backend": (c.c_int, [c.POINTER(BackendDesc)]),
         "gla_unregister_backend": (c.c_int, [c.c_char_p]),
+        "gla_load_plugin": (c.c_int, [c.c_char_p]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

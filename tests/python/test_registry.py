@@ -208,3 +208,38 @@ def test_torch_backend_serves_devices_no_native_backend_serves(device_type, labe
     text = _explain_raw(device_type, hand_over=False)
     assert "can be wrapped only when the call comes from PyTorch" in text
     assert "decision: none" in text
+
+
+def _example_plugin():
+    """The C example plugin built beside libgla (tests/cpp/example_plugin.c), or None."""
+    import os
+
+    lib_dir = os.path.dirname(gla.library_path())
+    for candidate in (os.path.join(lib_dir, "tests", "cpp", "libgla_example_plugin.so"),):
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def test_load_plugin_adds_a_backend_that_can_be_forced():
+    path = _example_plugin()
+    if path is None:
+        pytest.skip("the example plugin is built with the C++ tests (build/tests/cpp); not found beside libgla")
+    gla.load_plugin(path)
+    try:
+        assert "example_plugin" in [b.name for b in gla.backends()]
+        torch.manual_seed(0)
+        q, k = torch.rand(1, 40, 2, 16), torch.rand(1, 40, 2, 16)
+        v = torch.rand(1, 40, 2, 8)
+        g = torch.nn.functional.logsigmoid(torch.rand(1, 40, 2, 16))
+        with torch.no_grad():
+            with gla.backend("example_plugin"):
+                o, _ = gla.chunk_gla(q, k, v, g)
+            with gla.backend("reference"):
+                ref, _ = gla.chunk_gla(q, k, v, g)
+        assert torch.equal(o, ref)
+    finally:  # leave the registry as the other tests expect it
+        from gla import _lib
+        _lib.raise_for(_lib.library().gla_unregister_backend(b"example_plugin"))
+    with pytest.raises(ValueError, match="cannot load plugin"):
+        gla.load_plugin("/nonexistent/libnothing.so")
