@@ -66,35 +66,56 @@ void cumsum(const StageView& s) {
   }
 }
 
-// The state from the initial state through each chunk: h[c] = state at chunk start.
-void forward_states(const StageView& s) {
+// The two chunk scans of SPEC.md §2 share one shape: a K x V state starts from a per-sequence
+// tensor (`start`, zeros when absent), is stored into `per_chunk` at each chunk it enters, then
+// decays by 2^{b_last} and gains sum_r weight(r, i) * value(r, j) over the chunk's rows; it ends in
+// `end` when present. F2 walks forward over k and v, B1 backward over q and do.
+template <class Weight, class Value>
+void chunk_scan(const StageView& s, const gla_tensor& start, const gla_tensor& per_chunk, const gla_tensor& end,
+                bool reverse, Weight weight, Value value) {
   const gla_problem& p = s.p;
   const int64_t K = p.K, V = p.V;
   std::vector<double> S(static_cast<size_t>(K * V), 0.0);
-  if (present(p.initial_state)) {
+  if (present(start)) {
     for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = 0; j < V; ++j)
-        S[i * V + j] = load_as_double(p.initial_state, state_offset(p, p.initial_state, s.n, s.head, i, j));
+      for (int64_t j = 0; j < V; ++j) S[i * V + j] = load_as_double(start, state_offset(p, start, s.n, s.head, i, j));
   }
-  for (int64_t c = 0; c < s.chunks; ++c) {
-    const Chunk ch = s.chunk(c);
+  for (int64_t step = 0; step < s.chunks; ++step) {
+    const Chunk ch = s.chunk(reverse ? s.chunks - 1 - step : step);
     for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = 0; j < V; ++j) store_from_double(p.h, s.state_index(p.h, ch, i, j), S[i * V + j]);
+      for (int64_t j = 0; j < V; ++j) store_from_double(per_chunk, s.state_index(per_chunk, ch, i, j), S[i * V + j]);
     const int64_t last = ch.length - 1;
     for (int64_t i = 0; i < K; ++i) {
       const double bl = s.b(ch, last, i);
       for (int64_t j = 0; j < V; ++j) S[i * V + j] *= std::exp2(bl);
       for (int64_t r = 0; r < ch.length; ++r) {
-        const double w = s.in(p.k, ch, r, i) * std::exp2(bl - s.b(ch, r, i));
-        for (int64_t j = 0; j < V; ++j) S[i * V + j] += w * s.in(p.v, ch, r, j);
+        const double w = weight(ch, r, i, bl);
+        for (int64_t j = 0; j < V; ++j) S[i * V + j] += w * value(ch, r, j);
       }
     }
   }
-  if (present(p.final_state)) {
+  if (present(end)) {
     for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = 0; j < V; ++j)
-        store_from_double(p.final_state, state_offset(p, p.final_state, s.n, s.head, i, j), S[i * V + j]);
+      for (int64_t j = 0; j < V; ++j) store_from_double(end, state_offset(p, end, s.n, s.head, i, j), S[i * V + j]);
   }
+}
+
+// F2: h[c] = state at the start of chunk c; S <- 2^{b_last} S + (k 2^{b_last - b})^T v.
+void forward_states(const StageView& s) {
+  const gla_problem& p = s.p;
+  chunk_scan(
+      s, p.initial_state, p.h, p.final_state, false,
+      [&](const Chunk& ch, int64_t r, int64_t i, double bl) { return s.in(p.k, ch, r, i) * std::exp2(bl - s.b(ch, r, i)); },
+      [&](const Chunk& ch, int64_t r, int64_t j) { return s.in(p.v, ch, r, j); });
+}
+
+// B1: dh[c] = dL/d(state at the end of chunk c); dS <- 2^{b_last} dS + (scale q 2^{b})^T do.
+void state_gradients(const StageView& s) {
+  const gla_problem& p = s.p;
+  chunk_scan(
+      s, p.dht, p.dh, p.dh0, true,
+      [&](const Chunk& ch, int64_t r, int64_t i, double) { return p.scale * s.in(p.q, ch, r, i) * std::exp2(s.b(ch, r, i)); },
+      [&](const Chunk& ch, int64_t r, int64_t j) { return s.grad_out(ch, r, j); });
 }
 
 // Decay factor from key row sr to query row tr (sr <= tr): 2^(b_t - b_s), exponent <= 0 for g <= 0.
@@ -136,35 +157,6 @@ void output(const StageView& s) {
         store_from_double(p.o, offset4(p.o, ch.batch, ch.first + t, s.head, j), p.scale * inter + intra);
       }
     }
-  }
-}
-
-void state_gradients(const StageView& s) {
-  const gla_problem& p = s.p;
-  const int64_t K = p.K, V = p.V;
-  std::vector<double> dS(static_cast<size_t>(K * V), 0.0);
-  if (present(p.dht)) {
-    for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = 0; j < V; ++j)
-        dS[i * V + j] = load_as_double(p.dht, state_offset(p, p.dht, s.n, s.head, i, j));
-  }
-  for (int64_t c = s.chunks - 1; c >= 0; --c) {
-    const Chunk ch = s.chunk(c);
-    for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = 0; j < V; ++j) store_from_double(p.dh, s.state_index(p.dh, ch, i, j), dS[i * V + j]);
-    const int64_t last = ch.length - 1;
-    for (int64_t i = 0; i < K; ++i) {
-      const double bl = s.b(ch, last, i);
-      for (int64_t j = 0; j < V; ++j) dS[i * V + j] *= std::exp2(bl);
-      for (int64_t r = 0; r < ch.length; ++r) {
-        const double w = p.scale * s.in(p.q, ch, r, i) * std::exp2(s.b(ch, r, i));
-        for (int64_t j = 0; j < V; ++j) dS[i * V + j] += w * s.grad_out(ch, r, j);
-      }
-    }
-  }
-  if (present(p.dh0)) {
-    for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = 0; j < V; ++j) store_from_double(p.dh0, state_offset(p, p.dh0, s.n, s.head, i, j), dS[i * V + j]);
   }
 }
 
