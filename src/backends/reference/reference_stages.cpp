@@ -123,21 +123,30 @@ double decay(const StageView& s, const Chunk& ch, int64_t tr, int64_t sr, int64_
   return std::exp2(std::min(0.0, s.b(ch, tr, i) - s.b(ch, sr, i)));
 }
 
-void intra_attention(const StageView& s) {
+// Fills a [B, T, H, C] chunk matrix (A or dA): scale * entry(t, s) on and below the diagonal,
+// exact zeros above it and in the columns past a partial chunk's end.
+template <class Entry>
+void fill_causal_matrix(const StageView& s, const gla_tensor& out, Entry entry) {
   const gla_problem& p = s.p;
   for (int64_t c = 0; c < s.chunks; ++c) {
     const Chunk ch = s.chunk(c);
     for (int64_t t = 0; t < ch.length; ++t) {
       for (int64_t col = 0; col < p.chunk_size; ++col) {
-        double acc = 0;
-        if (col <= t) {
-          for (int64_t i = 0; i < p.K; ++i) acc += s.in(p.q, ch, t, i) * s.in(p.k, ch, col, i) * decay(s, ch, t, col, i);
-          acc *= p.scale;
-        }
-        store_from_double(p.A, s.matrix_index(p.A, ch, t, col), acc);
+        const double value = col <= t ? p.scale * entry(ch, t, col) : 0.0;
+        store_from_double(out, s.matrix_index(out, ch, t, col), value);
       }
     }
   }
+}
+
+// F3: A[t, s] = scale * sum_i q_ti k_si 2^(b_ti - b_si).
+void intra_attention(const StageView& s) {
+  const gla_problem& p = s.p;
+  fill_causal_matrix(s, p.A, [&](const Chunk& ch, int64_t t, int64_t col) {
+    double acc = 0;
+    for (int64_t i = 0; i < p.K; ++i) acc += s.in(p.q, ch, t, i) * s.in(p.k, ch, col, i) * decay(s, ch, t, col, i);
+    return acc;
+  });
 }
 
 void output(const StageView& s) {
@@ -160,21 +169,14 @@ void output(const StageView& s) {
   }
 }
 
+// B3: dA[t, s] = scale * do_t . v_s.
 void attention_gradient(const StageView& s) {
   const gla_problem& p = s.p;
-  for (int64_t c = 0; c < s.chunks; ++c) {
-    const Chunk ch = s.chunk(c);
-    for (int64_t t = 0; t < ch.length; ++t) {
-      for (int64_t col = 0; col < p.chunk_size; ++col) {
-        double acc = 0;
-        if (col <= t) {
-          for (int64_t j = 0; j < p.V; ++j) acc += s.grad_out(ch, t, j) * s.in(p.v, ch, col, j);
-          acc *= p.scale;
-        }
-        store_from_double(p.dA, s.matrix_index(p.dA, ch, t, col), acc);
-      }
-    }
-  }
+  fill_causal_matrix(s, p.dA, [&](const Chunk& ch, int64_t t, int64_t col) {
+    double acc = 0;
+    for (int64_t j = 0; j < p.V; ++j) acc += s.grad_out(ch, t, j) * s.in(p.v, ch, col, j);
+    return acc;
+  });
 }
 
 void value_gradient(const StageView& s) {
