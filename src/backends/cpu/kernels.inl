@@ -7,6 +7,30 @@
 // every exp2 argument is <= 0 for g <= 0 (pivots at sub-chunk boundaries, element-wise diagonal
 // blocks), and masked entries are written with stores, never multiplied by a 0/1 mask.
 
+
+// ---- optional phase timers (build with -DGLA_CPU_PROF; off in every normal build) ----
+#ifdef GLA_CPU_PROF
+struct ProfTable {
+  std::atomic<unsigned long long> t[32] = {};
+  const char* name[32] = {};
+  ~ProfTable() {
+    unsigned long long tot = 0;
+    for (int i = 0; i < 32; ++i) tot += t[i];
+    for (int i = 0; i < 32; ++i)
+      if (t[i]) std::fprintf(stderr, "prof %-14s %6.1f%% %8.1f Mcyc\n", name[i], 100.0 * double(t[i]) / double(tot), double(t[i]) * 1e-6);
+  }
+};
+inline ProfTable g_prof;
+struct ProfScope {
+  int i; unsigned long long s;
+  ProfScope(int i_, const char* n) : i(i_), s(__rdtsc()) { g_prof.name[i] = n; }
+  ~ProfScope() { g_prof.t[i].fetch_add(__rdtsc() - s, std::memory_order_relaxed); }
+};
+#define GLA_PROF(i, n) ProfScope prof_scope_##i(i, n)
+#else
+#define GLA_PROF(i, n) (void)0
+#endif
+
 inline constexpr float kRcpLn2 = 1.4426950408889634f;
 inline constexpr int64_t kPairs = kSub * (kSub + 1) / 2;  // lower-triangle pairs of a diagonal block
 
@@ -265,9 +289,18 @@ inline void load_gcum(const gla_problem& p, int64_t batch, int64_t t0, int64_t L
 // (so A may be read transposed), B and C row-major. Register-tiled micro-kernel; the last vector
 // of a row is masked.
 // ---------------------------------------------------------------------------------------------
+// One operand pair of a product: A element (i, d) at a[i*rsa + d*csa], B row d at b + d*ldb.
+struct Seg {
+  int64_t D;
+  const float* a;
+  int64_t rsa, csa;
+  const float* b;
+  int64_t ldb;
+};
+
 template <int MR, int NV, bool Full>
-inline void gemm_tile(int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b, int64_t ldb, float* c,
-                      int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
+inline void gemm_tile(const Seg* seg, int nseg, int64_t i0, int64_t j0, float* c, int64_t ldc, int nlast,
+                      bool accumulate, const float* row_scale) {
   vf acc[MR][NV];
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NV; ++j) {
@@ -281,14 +314,22 @@ inline void gemm_tile(int64_t D, const float* a, int64_t rsa, int64_t csa, const
       if (accumulate && row_scale) acc[i][j] = vmul(acc[i][j], vset(row_scale[i]));
     }
   }
-  for (int64_t d = 0; d < D; ++d) {
-    const float* brow = b + d * ldb;
-    vf bv[NV];
-    for (int j = 0; j < NV; ++j) bv[j] = (Full || j < NV - 1) ? vload(brow + j * W) : vload_n(brow + j * W, nlast);
-    const float* ap = a + d * csa;
-    for (int i = 0; i < MR; ++i) {
-      const vf av = vset(ap[i * rsa]);
-      for (int j = 0; j < NV; ++j) acc[i][j] = vfma(av, bv[j], acc[i][j]);
+  // Segments one after the other into the same accumulators: C (+)= A1 B1 + A2 B2, with the same
+  // operation order as two calls (the second accumulating), so results are bitwise the same.
+  for (int sgi = 0; sgi < nseg; ++sgi) {
+    const Seg& sg = seg[sgi];
+    const float* a = sg.a + i0 * sg.rsa;
+    const float* b = sg.b + j0;
+    const int64_t rsa = sg.rsa, csa = sg.csa, ldb = sg.ldb;
+    for (int64_t d = 0; d < sg.D; ++d) {
+      const float* brow = b + d * ldb;
+      vf bv[NV];
+      for (int j = 0; j < NV; ++j) bv[j] = (Full || j < NV - 1) ? vload(brow + j * W) : vload_n(brow + j * W, nlast);
+      const float* ap = a + d * csa;
+      for (int i = 0; i < MR; ++i) {
+        const vf av = vset(ap[i * rsa]);
+        for (int j = 0; j < NV; ++j) acc[i][j] = vfma(av, bv[j], acc[i][j]);
+      }
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -303,32 +344,35 @@ inline void gemm_tile(int64_t D, const float* a, int64_t rsa, int64_t csa, const
 }
 
 template <int MR, int NV>
-inline void gemm_tile_dispatch_full(bool full, int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b,
-                                    int64_t ldb, float* c, int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
+inline void gemm_tile_dispatch_full(bool full, const Seg* seg, int nseg, int64_t i0, int64_t j0, float* c,
+                                    int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
   if (full) {
-    gemm_tile<MR, NV, true>(D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale);
+    gemm_tile<MR, NV, true>(seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale);
   } else {
-    gemm_tile<MR, NV, false>(D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale);
+    gemm_tile<MR, NV, false>(seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale);
   }
 }
 
 template <int MR>
-inline void gemm_tile_dispatch_vecs(int nv, bool full, int64_t D, const float* a, int64_t rsa, int64_t csa,
-                                    const float* b, int64_t ldb, float* c, int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
+inline void gemm_tile_dispatch_vecs(int nv, bool full, const Seg* seg, int nseg, int64_t i0, int64_t j0, float* c,
+                                    int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
   static_assert(kTileVecs >= 1 && kTileVecs <= 4, "tile width");
   switch (nv) {
-    case 1: gemm_tile_dispatch_full<MR, 1>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale); break;
-    case 2: if constexpr (kTileVecs >= 2) gemm_tile_dispatch_full<MR, 2>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale); break;
-    case 3: if constexpr (kTileVecs >= 3) gemm_tile_dispatch_full<MR, 3>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale); break;
-    default: if constexpr (kTileVecs >= 4) gemm_tile_dispatch_full<MR, 4>(full, D, a, rsa, csa, b, ldb, c, ldc, nlast, accumulate, row_scale); break;
+    case 1: gemm_tile_dispatch_full<MR, 1>(full, seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
+    case 2: if constexpr (kTileVecs >= 2) gemm_tile_dispatch_full<MR, 2>(full, seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
+    case 3: if constexpr (kTileVecs >= 3) gemm_tile_dispatch_full<MR, 3>(full, seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
+    default: if constexpr (kTileVecs >= 4) gemm_tile_dispatch_full<MR, 4>(full, seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
   }
 }
 
-// With accumulate and row_scale (M floats), C is first scaled by row: C = Diag(row_scale) C + A B.
-inline void gemm(int64_t M, int64_t N, int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b, int64_t ldb,
-                 float* c, int64_t ldc, bool accumulate, const float* row_scale = nullptr) {
+// C[M x N] (+)= sum over the segments of A_s[M x D_s] B_s[D_s x N]. With accumulate and row_scale
+// (M floats), C is first scaled by row: C = Diag(row_scale) C + ...
+inline void gemm_segs(int64_t M, int64_t N, const Seg* seg, int nseg, float* c, int64_t ldc, bool accumulate,
+                      const float* row_scale = nullptr) {
   if (M <= 0 || N <= 0) return;
-  if (D <= 0) {
+  int64_t Dsum = 0;
+  for (int i = 0; i < nseg; ++i) Dsum += std::max<int64_t>(seg[i].D, 0);
+  if (Dsum <= 0) {
     for (int64_t i = 0; i < M; ++i) {
       if (!accumulate) {
         std::memset(c + i * ldc, 0, static_cast<size_t>(N) * 4);
@@ -346,22 +390,27 @@ inline void gemm(int64_t M, int64_t N, int64_t D, const float* a, int64_t rsa, i
     const bool full = nlast == W;
     for (int64_t i0 = 0; i0 < M; i0 += kTileRows) {
       const int mr = static_cast<int>(std::min<int64_t>(kTileRows, M - i0));
-      const float* ai = a + i0 * rsa;
       float* ci = c + i0 * ldc + j0;
-      const float* bj = b + j0;
       const float* rs = row_scale ? row_scale + i0 : nullptr;
       switch (mr) {
-        case 8: if constexpr (kTileRows >= 8) gemm_tile_dispatch_vecs<8>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
-        case 7: if constexpr (kTileRows >= 7) gemm_tile_dispatch_vecs<7>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
-        case 6: if constexpr (kTileRows >= 6) gemm_tile_dispatch_vecs<6>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
-        case 5: if constexpr (kTileRows >= 5) gemm_tile_dispatch_vecs<5>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
-        case 4: gemm_tile_dispatch_vecs<4>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
-        case 3: gemm_tile_dispatch_vecs<3>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
-        case 2: gemm_tile_dispatch_vecs<2>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
-        default: gemm_tile_dispatch_vecs<1>(nv, full, D, ai, rsa, csa, bj, ldb, ci, ldc, nlast, accumulate, rs); break;
+        case 8: if constexpr (kTileRows >= 8) gemm_tile_dispatch_vecs<8>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 7: if constexpr (kTileRows >= 7) gemm_tile_dispatch_vecs<7>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 6: if constexpr (kTileRows >= 6) gemm_tile_dispatch_vecs<6>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 5: if constexpr (kTileRows >= 5) gemm_tile_dispatch_vecs<5>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 4: gemm_tile_dispatch_vecs<4>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 3: gemm_tile_dispatch_vecs<3>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 2: gemm_tile_dispatch_vecs<2>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        default: gemm_tile_dispatch_vecs<1>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
       }
     }
   }
+}
+
+// C[M x N] (+)= A[M x D] * B[D x N], A element (i, d) at a[i*rsa + d*csa].
+inline void gemm(int64_t M, int64_t N, int64_t D, const float* a, int64_t rsa, int64_t csa, const float* b, int64_t ldb,
+                 float* c, int64_t ldc, bool accumulate, const float* row_scale = nullptr) {
+  const Seg seg{D, a, rsa, csa, b, ldb};
+  gemm_segs(M, N, &seg, 1, c, ldc, accumulate, row_scale);
 }
 
 // dst[c * ldd + r] = src[r * lds + c]
@@ -436,6 +485,75 @@ struct IntraScratch {
   float* kht;   // K x kSub/2
 };
 
+// out = x * s over K floats (the pivot row of a pivoted block: its factor 2^0 is exactly 1).
+inline void scale_row(int64_t K, const float* x, float s, float* out) {
+  for_vectors(K, [&](int64_t c, int lanes) { vstore_k(out + c, vmul(vload_k(x + c, lanes), vset(s)), lanes); });
+}
+// Dot products of query rows qs[t] (t < nq) with up to 4 key rows ks[u] (u < nk), over K:
+// a[t * lda + u] = mul * (qs[t] . ks[u]).
+inline void dot_rows(int64_t nq, int nk, int64_t K, const float* qs, int64_t ldq, const float* ks, int64_t ldk,
+                     float mul, float* a, int64_t lda) {
+  for (int64_t t = 0; t < nq; ++t) {
+    vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    for_vectors(K, [&](int64_t c, int lanes) {
+      const vf qv = vload_k(qs + t * ldq + c, lanes);
+      for (int m = 0; m < nk; ++m) acc[m] = vfma(qv, vload_k(ks + m * ldk + c, lanes), acc[m]);
+    });
+    for (int m = 0; m < nk; ++m) a[t * lda + m] = mul * vsum(acc[m]);
+  }
+}
+
+// The lower triangle (keys u <= t < n <= kSub) of one diagonal block of A, without the weights the
+// backward keeps. Pivots recursively, every exponent <= 0 (SPEC section 3): rows [8, 16) x keys
+// [0, 8) through row 8, (q_t 2^(b_t - b_8)) . (k_u 2^(b_8 - b_u)); in each half [h, h + 8), rows
+// [h + 4, h + 8) x keys [h, h + 4) through row h + 4; what is left are the four 4 x 4 triangles:
+// the 24 pairs u < t element-wise (a K-vector of exp2 each), the diagonal u = t without exp2
+// (its weight 2^0 is 1). 53 exp2 rows per 16 x 16 block instead of 88 with one pivot level.
+// q, k: the block's first row; r0: its row within the chunk (for g); a: A at the block's corner.
+inline void diagonal_block_pivoted(int64_t n, int64_t K, int64_t C, float scale, const float* q, const float* k,
+                                   const Gates& g, int64_t r0, float* a, const IntraScratch& s) {
+  constexpr int64_t kHalf = kSub / 2, kQuarter = kSub / 4;
+  // rows [8, n) x keys [0, 8)
+  if (n > kHalf) {
+    const int64_t pivot = r0 + kHalf;
+    scale_row(K, q + kHalf * K, scale, s.qp);
+    for (int64_t t = kHalf + 1; t < n; ++t) scale_exp2_rows(g, q + t * K, r0 + t, pivot, scale, s.qp + (t - kHalf) * K);
+    for (int64_t u = 0; u < kHalf; ++u) scale_exp2_rows(g, k + u * K, pivot, r0 + u, 1.0f, s.krow + u * K);
+    transpose(kHalf, K, s.krow, K, s.kht, kHalf);
+    gemm(n - kHalf, kHalf, K, s.qp, K, 1, s.kht, kHalf, a + kHalf * C, C, false);
+  }
+  // in each half h: rows [h + 4, min(h + 8, n)) x keys [h, h + 4)
+  for (int64_t h = 0; h + kQuarter < n; h += kHalf) {
+    const int64_t m = h + kQuarter, nq = std::min(h + kHalf, n) - m, pivot = r0 + m;
+    float* qs = s.qp + kHalf * K;    // rows 8.. of qp (the pivot-8 product above is done)
+    float* ks = s.krow + kHalf * K;  // rows 8.. of krow
+    scale_row(K, q + m * K, scale, qs);
+    for (int64_t t = 1; t < nq; ++t) scale_exp2_rows(g, q + (m + t) * K, pivot + t, pivot, scale, qs + t * K);
+    for (int64_t u = 0; u < kQuarter; ++u) scale_exp2_rows(g, k + (h + u) * K, pivot, r0 + h + u, 1.0f, ks + u * K);
+    dot_rows(nq, static_cast<int>(kQuarter), K, qs, K, ks, K, 1.0f, a + m * C + h, C);
+  }
+  // the 4 x 4 triangles, element-wise
+  for (int64_t t = 0; t < n; ++t) {
+    const float* qt = q + t * K;
+    const float* bth = g.hi + (r0 + t) * K;
+    const float* btl = g.lo + (r0 + t) * K;
+    const int64_t u0 = t & ~(kQuarter - 1);
+    const int nk = static_cast<int>(t - u0);  // pairs with exp2; then the diagonal
+    vf acc[kQuarter];
+    for (int m = 0; m < kQuarter; ++m) acc[m] = vzero();
+    for_vectors(K, [&](int64_t c, int lanes) {
+      const vf qv = vload_k(qt + c, lanes), bh = vload_k(bth + c, lanes), bl = vload_k(btl + c, lanes);
+      for (int m = 0; m < nk; ++m) {
+        const int64_t u = u0 + m;
+        const vf x = vadd(vsub(bh, vload_k(g.hi + (r0 + u) * K + c, lanes)), vsub(bl, vload_k(g.lo + (r0 + u) * K + c, lanes)));
+        acc[m] = vfma(vmul(qv, vload_k(k + u * K + c, lanes)), vexp2(x), acc[m]);
+      }
+      acc[nk] = vfma(qv, vload_k(k + t * K + c, lanes), acc[nk]);
+    });
+    for (int m = 0; m <= nk; ++m) a[t * C + u0 + m] = scale * vsum(acc[m]);
+  }
+}
+
 // A[t][s] = scale * sum_k q_tk k_sk 2^(b_tk - b_sk) for s <= t < L; 0 for t < s < zero_to.
 // Off-diagonal sub-chunk blocks: one product per query sub-chunk i, pivoted at its first row p_i:
 // (q_t 2^(b_t - p_i)) . (k_s 2^(p_i - b_s)); the keys' factor for pivot i is the one for pivot i-1
@@ -449,6 +567,7 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
   for (int64_t i = 0; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
     if (i > 0) {
+      GLA_PROF(4, "A offdiag");
       const int64_t old = r0 - kSub;  // key columns already in kpt (pivot i - 1)
       if (old > 0) {
         exp2_rows(g, r0, old, s.fac);
@@ -465,46 +584,40 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
       gemm(ni, r0, K, qp, K, 1, s.kpt, C, A + r0 * C, C, false);
     }
     // Diagonal block.
-    // Without `wd` (the forward), the block's lower-left quarter (rows >= 8, keys < 8) goes through
-    // one more pivot, at its row 8: (q_t 2^(b_t - b_8)) . (k_s 2^(b_8 - b_s)), both exponents
-    // <= 0 as everywhere else, and 64 of the block's 136 element-wise pairs (each a K-vector of
-    // exp2) become one 8 x 8 x K product. The backward keeps the block element-wise because it
-    // reuses the weights for dq and dk.
-    constexpr int64_t kHalf = kSub / 2;
-    const bool split = wd == nullptr && ni > kHalf;
-    if (split) {
-      const int64_t pivot = r0 + kHalf;
-      for (int64_t t = kHalf; t < ni; ++t) scale_exp2_rows(g, q + (r0 + t) * K, r0 + t, pivot, scale, s.qp + (t - kHalf) * K);
-      for (int64_t u = 0; u < kHalf; ++u) scale_exp2_rows(g, k + (r0 + u) * K, pivot, r0 + u, 1.0f, s.krow + u * K);
-      transpose(kHalf, K, s.krow, K, s.kht, kHalf);
-      gemm(ni - kHalf, kHalf, K, s.qp, K, 1, s.kht, kHalf, A + (r0 + kHalf) * C + r0, C, false);
-    }
-    float* w = wd ? wd + i * kPairs * K : nullptr;
-    for (int64_t t = 0; t < ni; ++t) {
-      const float* qt = q + (r0 + t) * K;
-      const float* bth = g.hi + (r0 + t) * K;
-      const float* btl = g.lo + (r0 + t) * K;
-      float* arow = A + (r0 + t) * C;
-      // Keys in groups of up to kKeys: independent accumulators (one chain per key would be
-      // FMA-latency bound) and one load of the query row's data per group.
-      constexpr int kKeys = 4;
-      for (int64_t u0 = (split && t >= kHalf) ? kHalf : 0; u0 <= t; u0 += kKeys) {
-        const int nk = static_cast<int>(std::min<int64_t>(kKeys, t + 1 - u0));
-        vf acc[kKeys];
-        for (int m = 0; m < kKeys; ++m) acc[m] = vzero();
-        for_vectors(K, [&](int64_t c, int lanes) {
-          const vf qv = vload_k(qt + c, lanes), bh = vload_k(bth + c, lanes), bl = vload_k(btl + c, lanes);
-          for (int m = 0; m < nk; ++m) {
-            const int64_t s = r0 + u0 + m;
-            const vf x = vadd(vsub(bh, vload_k(g.hi + s * K + c, lanes)), vsub(bl, vload_k(g.lo + s * K + c, lanes)));
-            const vf e = vexp2(x);
-            if (w) vstore_k(w + (t * (t + 1) / 2 + u0 + m) * K + c, e, lanes);
-            acc[m] = vfma(vmul(qv, vload_k(k + s * K + c, lanes)), e, acc[m]);
-          }
-        });
-        for (int m = 0; m < nk; ++m) arow[r0 + u0 + m] = scale * vsum(acc[m]);
+    if (wd == nullptr) {
+      GLA_PROF(5, "A diag fwd");
+      diagonal_block_pivoted(ni, K, C, scale, q + r0 * K, k + r0 * K, g, r0, A + r0 * C + r0, s);
+    } else {
+      GLA_PROF(6, "A diag elem");
+      float* w = wd + i * kPairs * K;
+      for (int64_t t = 0; t < ni; ++t) {
+        const float* qt = q + (r0 + t) * K;
+        const float* bth = g.hi + (r0 + t) * K;
+        const float* btl = g.lo + (r0 + t) * K;
+        float* arow = A + (r0 + t) * C;
+        // Keys in groups of up to kKeys: independent accumulators (one chain per key would be
+        // FMA-latency bound) and one load of the query row's data per group.
+        constexpr int kKeys = 4;
+        for (int64_t u0 = 0; u0 <= t; u0 += kKeys) {
+          const int nk = static_cast<int>(std::min<int64_t>(kKeys, t + 1 - u0));
+          vf acc[kKeys];
+          for (int m = 0; m < kKeys; ++m) acc[m] = vzero();
+          for_vectors(K, [&](int64_t c, int lanes) {
+            const vf qv = vload_k(qt + c, lanes), bh = vload_k(bth + c, lanes), bl = vload_k(btl + c, lanes);
+            for (int m = 0; m < nk; ++m) {
+              const int64_t s = r0 + u0 + m;
+              const vf x = vadd(vsub(bh, vload_k(g.hi + s * K + c, lanes)), vsub(bl, vload_k(g.lo + s * K + c, lanes)));
+              const vf e = vexp2(x);
+              vstore_k(w + (t * (t + 1) / 2 + u0 + m) * K + c, e, lanes);
+              acc[m] = vfma(vmul(qv, vload_k(k + s * K + c, lanes)), e, acc[m]);
+            }
+          });
+          for (int m = 0; m < nk; ++m) arow[r0 + u0 + m] = scale * vsum(acc[m]);
+        }
       }
-      for (int64_t u = r0 + t + 1; u < zero_to; ++u) arow[u] = 0.0f;
+    }
+    for (int64_t t = 0; t < ni; ++t) {
+      for (int64_t u = r0 + t + 1; u < zero_to; ++u) A[(r0 + t) * C + u] = 0.0f;
     }
   }
 }
@@ -519,19 +632,26 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
                           float* qe, float* fac) {
   const int64_t nsub = (L + kSub - 1) / kSub;
   intra_attention(L, K, C, scale, q, k, g, A, std::min(C, nsub * kSub), nullptr, s, qe);
+  {
+  GLA_PROF(7, "F qe scale");
   for (int64_t t = 0; t < std::min(kSub, L); ++t) scale_exp2_rows(g, q + t * K, t, -1, scale, qe + t * K);
   for (int64_t i = 1; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
     exp2_rows(g, r0, -1, fac);
     for (int64_t t = 0; t < ni; ++t) mul_inplace(K, qe + (r0 + t) * K, fac);
   }
-  gemm(L, bv, K, qe, K, 1, S, lds, o, bv, false);
+  }
+  // o = (scale q ⊙ 2^b) S + A v, one product per sub-chunk of rows (o stored once).
+  {GLA_PROF(8, "F o");
   for (int64_t i = 0; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
-    gemm(ni, bv, r0 + ni, A + r0 * C, C, 1, v, bv, o + r0 * bv, bv, true);
+    const Seg seg[2] = {{K, qe + r0 * K, K, 1, S, lds}, {r0 + ni, A + r0 * C, C, 1, v, bv}};
+    gemm_segs(ni, bv, seg, 2, o + r0 * bv, bv, false);
+  }
   }
   // state: kpt becomes (k ⊙ 2^(b_last - b))^T
   const int64_t last0 = (nsub - 1) * kSub;
+  {GLA_PROF(10, "F state prep");
   if (last0 > 0) {
     exp2_rows(g, L - 1, last0, fac);
     for (int64_t kk = 0; kk < K; ++kk) {
@@ -543,6 +663,8 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
   for (int64_t r = last0; r < L; ++r) scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, s.krow + (r - last0) * K);
   transpose(L - last0, K, s.krow, K, s.kpt + last0, C);
   exp2_rows(g, L - 1, -1, fac);
+  }
+  GLA_PROF(11, "F state gemm");
   gemm(K, bv, L, s.kpt, C, 1, v, bv, S, lds, true, fac);  // S = Diag(2^b_last) S + kl^T v
 }
 
@@ -946,17 +1068,21 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
   for (int64_t j = 0; j < G; ++j) load_initial_state(p, n, h0 + j, v0, bv, t.S + j * kv, lds);
   for (int64_t c0 = 0; c0 < sp.length; c0 += C) {
     const int64_t L = std::min(C, sp.length - c0), t0 = sp.start + c0;
+    {GLA_PROF(0, "F loads");
     load_tiles(p.q, sp.batch, t0, L, h0, G, 0, K, t.q, ck, K);
     load_tiles(p.k, sp.batch, t0, L, h0, G, 0, K, t.k, ck, K);
     load_tiles(p.v, sp.batch, t0, L, h0, G, v0, bv, t.v, cv, bv);
     load_tiles(p.g, sp.batch, t0, L, h0, G, 0, p.gate_per_head ? 1 : K, t.b, ck, K);
+    }
     for (int64_t j = 0; j < G; ++j) {
       float *q = t.q + j * ck, *k = t.k + j * ck, *b = t.b + j * ck, *blo = t.blo + j * ck;
       float *v = t.v + j * cv, *o = t.o + j * cv, *S = t.S + j * kv;
-      cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
+      {GLA_PROF(1, "F cumsum");
+      cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);}
       const Gates gates{b, blo, K};
       forward_chunk(L, K, bv, C, scale, q, k, gates, v, S, lds, o, t.A, t.intra, t.kl, t.run);
     }
+    GLA_PROF(2, "F store");
     store_tiles(p.o, sp.batch, t0, L, h0, G, v0, bv, t.o, cv, bv);
   }
   if (has(p.final_state)) {
@@ -985,9 +1111,12 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
     }
     for (int64_t c = 0; c + 1 < nchunks; ++c) {
       const int64_t c0 = c * C, L = std::min(C, sp.length - c0), t0 = sp.start + c0;
+      {GLA_PROF(12, "B1 loads");
       load_tiles(p.k, sp.batch, t0, L, h0, G, 0, K, t.k, ck, K);
       load_tiles(p.v, sp.batch, t0, L, h0, G, 0, V, t.v, cv, V);
       load_tiles(p.g, sp.batch, t0, L, h0, G, 0, gk, t.b, ck, K);
+      }
+      GLA_PROF(13, "B1 state");
       for (int64_t j = 0; j < G; ++j) {
         float *b = t.b + j * ck, *blo = t.blo + j * ck, *st = t.states + j * states_per_head;
         cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
@@ -1005,6 +1134,7 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
   }
   for (int64_t c = nchunks - 1; c >= 0; --c) {
     const int64_t c0 = c * C, L = std::min(C, sp.length - c0), t0 = sp.start + c0;
+    {GLA_PROF(14, "B2 loads");
     load_tiles(p.q, sp.batch, t0, L, h0, G, 0, K, t.q, ck, K);
     load_tiles(p.g, sp.batch, t0, L, h0, G, 0, gk, t.b, ck, K);
     if (has(p.do_)) {
@@ -1016,26 +1146,32 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
       load_tiles(p.k, sp.batch, t0, L, h0, G, 0, K, t.k, ck, K);
       load_tiles(p.v, sp.batch, t0, L, h0, G, 0, V, t.v, cv, V);
     }
+    }
     for (int64_t j = 0; j < G; ++j) {
       const float *q = t.q + j * ck, *kt = t.k + j * ck, *v = t.v + j * cv, *dout = t.dout + j * cv;
       float *b = t.b + j * ck, *blo = t.blo + j * ck, *dS = t.dS + j * kv;
       float *dq = t.dq + j * ck, *dk = t.dk + j * ck, *dg = t.dg + j * ck, *dv = t.dv + j * cv;
-      cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
+      {GLA_PROF(15, "B2 cumsum");
+      cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);}
       const Gates gates{b, blo, K};
       // 2^(b_t) and 2^(b_last - b_t) once for dv, dq, dk and the dS step
+      {GLA_PROF(16, "B2 decay");
       for (int64_t r = 0; r < L; ++r) {
         exp2_rows(gates, r, -1, t.es + r * K);
         exp2_rows(gates, L - 1, r, t.ee + r * K);
-      }
+      }}
       const DecayRows decay{t.es, t.ee};
       if (want_dqk || has(p.dv)) {
         intra_attention(L, K, C, scale, q, kt, gates, t.A, L, want_dqk ? t.wd : nullptr, t.intra);
-        if (has(p.dv)) chunk_dv(L, K, V, C, kt, gates, t.A, dout, dS, dv, t.kl, decay);
+        if (has(p.dv)) {GLA_PROF(17, "B2 dv"); chunk_dv(L, K, V, C, kt, gates, t.A, dout, dS, dv, t.kl, decay);}
         if (want_dqk) {
-          intra_dA(L, V, C, scale, dout, v, t.dA, L, t.vt);
+          {GLA_PROF(18, "B2 dA");
+          intra_dA(L, V, C, scale, dout, v, t.dA, L, t.vt);}
+          {GLA_PROF(19, "B2 dqk intra");
           std::memset(dq, 0, static_cast<size_t>(L * K) * 4);
           std::memset(dk, 0, static_cast<size_t>(L * K) * 4);
-          intra_dqk(L, K, C, q, kt, gates, t.dA, t.wd, dq, dk, t.dqk);
+          intra_dqk(L, K, C, q, kt, gates, t.dA, t.wd, dq, dk, t.dqk);}
+          GLA_PROF(20, "B2 inter");
           inter_dqkg(L, K, V, scale, q, kt, v, gates, dout, t.states + j * states_per_head + c * kv, dS, dq, dk,
                      has(p.dg) ? dg : nullptr, t.inter, decay);
           add_self_terms(L, K, C, q, kt, t.dA, dq, dk);
@@ -1048,8 +1184,10 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
           }
         }
       }
+      GLA_PROF(22, "B2 dstate");
       dstate_step(L, K, V, scale, q, gates, dout, dS, t.kl, t.run, decay);
     }
+    GLA_PROF(23, "B2 stores");
     if (has(p.dv)) store_tiles(p.dv, sp.batch, t0, L, h0, G, 0, V, t.dv, cv, V);
     if (has(p.dq)) store_tiles(p.dq, sp.batch, t0, L, h0, G, 0, K, t.dq, ck, K);
     if (has(p.dk)) store_tiles(p.dk, sp.batch, t0, L, h0, G, 0, K, t.dk, ck, K);
