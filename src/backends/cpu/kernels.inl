@@ -32,7 +32,6 @@ struct ProfScope {
 #endif
 
 inline constexpr float kRcpLn2 = 1.4426950408889634f;
-inline constexpr int64_t kPairs = kSub * (kSub + 1) / 2;  // lower-triangle pairs of a diagonal block
 
 // ---------------------------------------------------------------------------------------------
 // Tensor access: strided, any float dtype, converted to/from fp32 tiles.
@@ -216,10 +215,10 @@ inline void load_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t L
   }
 }
 inline void store_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t L, int64_t h0, int64_t G, int64_t d0,
-                        int64_t cols, const float* src, int64_t tile, int64_t ld) {
+                        int64_t cols, const float* src, int64_t tile, int64_t ld, bool stream = true) {
 #ifdef GLA_CPU_HAVE_STREAM_STORE
   // fp32 rows go out with streaming stores (2-4% on B1 T4096 H16 D128, forward and backward).
-  if (x.dtype == GLA_DTYPE_F32 && x.rank == 4 && x.strides[3] == 1 && cols >= 32) {
+  if (stream && x.dtype == GLA_DTYPE_F32 && x.rank == 4 && x.strides[3] == 1 && cols >= 32) {
     for (int64_t r = 0; r < L; ++r) {
       for (int64_t j = 0; j < G; ++j) {
         stream_row(static_cast<float*>(x.data) + element_offset(x, batch, t0 + r, h0 + j, d0), src + j * tile + r * ld, cols);
@@ -485,60 +484,113 @@ struct IntraScratch {
   float* kht;   // K x kSub/2
 };
 
+
+// Diagonal 16 x 16 blocks, pivoted recursively with every exponent <= 0 (SPEC section 3):
+//   rows [8, 16) x keys [0, 8) through row 8: (q_t 2^(b_t - b_8)) . (k_u 2^(b_8 - b_u));
+//   in each half [h, h + 8), rows [h + 4, h + 8) x keys [h, h + 4) through row h + 4;
+//   the four 4 x 4 triangles left: their 24 pairs u < t element-wise (a K-vector of exp2 each), the
+//   diagonal u = t without exp2 (its weight 2^0 is 1).
+// 53 exp2 rows per block instead of the 136 (element-wise) or 88 (one pivot level) before. The
+// backward keeps the factors (kDiagRows rows of K per block, layout below) for dq and dk, which go
+// through the same pivots: dq_t += 2^(b_t - p) ⊙ sum_u dA[t][u] (k_u 2^(p - b_u)), and
+// dk_u += 2^(p - b_u) ⊙ sum_t dA[t][u] (q_t 2^(b_t - p)).
+inline constexpr int64_t kHalf = kSub / 2, kQuarter = kSub / 4;
+// Factor rows of one block: [0, 8) 2^(b_t - b_8), t = 8..15; [8, 16) 2^(b_8 - b_u), u = 0..7;
+// per half h (0, 1) at 16 + 8h: [0, 4) 2^(b_t - b_(8h+4)), t = 8h+4..8h+7; [4, 8) 2^(b_(8h+4) - b_u),
+// u = 8h..8h+3; at 32: the pairs u < t of each 4 x 4 triangle, 6 per triangle, (t%4)(t%4-1)/2 + u%4.
+inline constexpr int64_t kDiagRows = 56;
+inline constexpr int64_t kDiagPairs = 32;
+
 // out = x * s over K floats (the pivot row of a pivoted block: its factor 2^0 is exactly 1).
 inline void scale_row(int64_t K, const float* x, float s, float* out) {
   for_vectors(K, [&](int64_t c, int lanes) { vstore_k(out + c, vmul(vload_k(x + c, lanes), vset(s)), lanes); });
 }
-// Dot products of query rows qs[t] (t < nq) with up to 4 key rows ks[u] (u < nk), over K:
+inline void fill_ones(int64_t K, float* out) {
+  for (int64_t i = 0; i < K; ++i) out[i] = 1.0f;
+}
+// Dot products of rows qs[t] (t < nq) with up to 4 rows ks[u] (u < nk) over K:
 // a[t * lda + u] = mul * (qs[t] . ks[u]).
-inline void dot_rows(int64_t nq, int nk, int64_t K, const float* qs, int64_t ldq, const float* ks, int64_t ldk,
-                     float mul, float* a, int64_t lda) {
+inline void dot_rows(int64_t nq, int nk, int64_t K, const float* qs, const float* ks, float mul, float* a, int64_t lda) {
   for (int64_t t = 0; t < nq; ++t) {
     vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
     for_vectors(K, [&](int64_t c, int lanes) {
-      const vf qv = vload_k(qs + t * ldq + c, lanes);
-      for (int m = 0; m < nk; ++m) acc[m] = vfma(qv, vload_k(ks + m * ldk + c, lanes), acc[m]);
+      const vf qv = vload_k(qs + t * K + c, lanes);
+      for (int m = 0; m < nk; ++m) acc[m] = vfma(qv, vload_k(ks + m * K + c, lanes), acc[m]);
     });
     for (int m = 0; m < nk; ++m) a[t * lda + m] = mul * vsum(acc[m]);
   }
 }
+// x rows scaled by factor rows (and s): out[r] = x[r] * f[r] * s, r < n.
+inline void scaled_rows(int64_t n, int64_t K, const float* x, const float* f, float s, float* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    for_vectors(K, [&](int64_t c, int lanes) {
+      vstore_k(out + r * K + c, vmul(vmul(vload_k(x + r * K + c, lanes), vload_k(f + r * K + c, lanes)), vset(s)), lanes);
+    });
+  }
+}
+// A pivot product of the gradients (nj <= kHalf): out[i] += f[i] ⊙ sum_{j < nj}
+// coef[i * rsc + j * csc] x[j], i < ni.
+inline void pivot_accumulate(int64_t ni, int64_t nj, int64_t K, const float* coef, int64_t rsc, int64_t csc,
+                             const float* x, const float* f, float* out) {
+  for (int64_t i = 0; i < ni; ++i) {
+    vf cj[kHalf];
+    for (int64_t j = 0; j < nj; ++j) cj[j] = vset(coef[i * rsc + j * csc]);
+    for_vectors(K, [&](int64_t c, int lanes) {
+      vf acc = vmul(cj[0], vload_k(x + c, lanes));
+      for (int64_t j = 1; j < nj; ++j) acc = vfma(cj[j], vload_k(x + j * K + c, lanes), acc);
+      vstore_k(out + i * K + c, vfma(vload_k(f + i * K + c, lanes), acc, vload_k(out + i * K + c, lanes)), lanes);
+    });
+  }
+}
 
-// The lower triangle (keys u <= t < n <= kSub) of one diagonal block of A, without the weights the
-// backward keeps. Pivots recursively, every exponent <= 0 (SPEC section 3): rows [8, 16) x keys
-// [0, 8) through row 8, (q_t 2^(b_t - b_8)) . (k_u 2^(b_8 - b_u)); in each half [h, h + 8), rows
-// [h + 4, h + 8) x keys [h, h + 4) through row h + 4; what is left are the four 4 x 4 triangles:
-// the 24 pairs u < t element-wise (a K-vector of exp2 each), the diagonal u = t without exp2
-// (its weight 2^0 is 1). 53 exp2 rows per 16 x 16 block instead of 88 with one pivot level.
-// q, k: the block's first row; r0: its row within the chunk (for g); a: A at the block's corner.
+// The lower triangle (keys u <= t < n <= kSub) of one diagonal block of A; q, k: the block's first
+// row; r0: its row within the chunk (for g); a: A at the block's corner. `fac` (optional,
+// kDiagRows x K) receives the factors for the backward. qs, ks: kSub x K scratch each.
 inline void diagonal_block_pivoted(int64_t n, int64_t K, int64_t C, float scale, const float* q, const float* k,
-                                   const Gates& g, int64_t r0, float* a, const IntraScratch& s) {
-  constexpr int64_t kHalf = kSub / 2, kQuarter = kSub / 4;
+                                   const Gates& g, int64_t r0, float* a, float* qs, float* ks, float* fac) {
   // rows [8, n) x keys [0, 8)
   if (n > kHalf) {
     const int64_t pivot = r0 + kHalf;
-    scale_row(K, q + kHalf * K, scale, s.qp);
-    for (int64_t t = kHalf + 1; t < n; ++t) scale_exp2_rows(g, q + t * K, r0 + t, pivot, scale, s.qp + (t - kHalf) * K);
-    for (int64_t u = 0; u < kHalf; ++u) scale_exp2_rows(g, k + u * K, pivot, r0 + u, 1.0f, s.krow + u * K);
-    transpose(kHalf, K, s.krow, K, s.kht, kHalf);
-    gemm(n - kHalf, kHalf, K, s.qp, K, 1, s.kht, kHalf, a + kHalf * C, C, false);
+    if (fac) {
+      fill_ones(K, fac);
+      for (int64_t t = kHalf + 1; t < n; ++t) exp2_rows(g, r0 + t, pivot, fac + (t - kHalf) * K);
+      for (int64_t u = 0; u < kHalf; ++u) exp2_rows(g, pivot, r0 + u, fac + (kHalf + u) * K);
+      scaled_rows(n - kHalf, K, q + kHalf * K, fac, scale, qs);
+      scaled_rows(kHalf, K, k, fac + kHalf * K, 1.0f, ks);
+    } else {
+      scale_row(K, q + kHalf * K, scale, qs);
+      for (int64_t t = kHalf + 1; t < n; ++t) scale_exp2_rows(g, q + t * K, r0 + t, pivot, scale, qs + (t - kHalf) * K);
+      for (int64_t u = 0; u < kHalf; ++u) scale_exp2_rows(g, k + u * K, pivot, r0 + u, 1.0f, ks + u * K);
+    }
+    dot_rows(n - kHalf, static_cast<int>(kQuarter), K, qs, ks, 1.0f, a + kHalf * C, C);
+    dot_rows(n - kHalf, static_cast<int>(kQuarter), K, qs, ks + kQuarter * K, 1.0f, a + kHalf * C + kQuarter, C);
   }
   // in each half h: rows [h + 4, min(h + 8, n)) x keys [h, h + 4)
   for (int64_t h = 0; h + kQuarter < n; h += kHalf) {
     const int64_t m = h + kQuarter, nq = std::min(h + kHalf, n) - m, pivot = r0 + m;
-    float* qs = s.qp + kHalf * K;    // rows 8.. of qp (the pivot-8 product above is done)
-    float* ks = s.krow + kHalf * K;  // rows 8.. of krow
-    scale_row(K, q + m * K, scale, qs);
-    for (int64_t t = 1; t < nq; ++t) scale_exp2_rows(g, q + (m + t) * K, pivot + t, pivot, scale, qs + t * K);
-    for (int64_t u = 0; u < kQuarter; ++u) scale_exp2_rows(g, k + (h + u) * K, pivot, r0 + h + u, 1.0f, ks + u * K);
-    dot_rows(nq, static_cast<int>(kQuarter), K, qs, K, ks, K, 1.0f, a + m * C + h, C);
+    if (fac) {
+      float* f = fac + (2 * kHalf + h) * K;
+      fill_ones(K, f);
+      for (int64_t t = 1; t < nq; ++t) exp2_rows(g, pivot + t, pivot, f + t * K);
+      for (int64_t u = 0; u < kQuarter; ++u) exp2_rows(g, pivot, r0 + h + u, f + (kQuarter + u) * K);
+      scaled_rows(nq, K, q + m * K, f, scale, qs);
+      scaled_rows(kQuarter, K, k + h * K, f + kQuarter * K, 1.0f, ks);
+    } else {
+      scale_row(K, q + m * K, scale, qs);
+      for (int64_t t = 1; t < nq; ++t) scale_exp2_rows(g, q + (m + t) * K, pivot + t, pivot, scale, qs + t * K);
+      for (int64_t u = 0; u < kQuarter; ++u) scale_exp2_rows(g, k + (h + u) * K, pivot, r0 + h + u, 1.0f, ks + u * K);
+    }
+    dot_rows(nq, static_cast<int>(kQuarter), K, qs, ks, 1.0f, a + m * C + h, C);
   }
   // the 4 x 4 triangles, element-wise
+  float* wp = fac ? fac + kDiagPairs * K : nullptr;
   for (int64_t t = 0; t < n; ++t) {
     const float* qt = q + t * K;
     const float* bth = g.hi + (r0 + t) * K;
     const float* btl = g.lo + (r0 + t) * K;
     const int64_t u0 = t & ~(kQuarter - 1);
     const int nk = static_cast<int>(t - u0);  // pairs with exp2; then the diagonal
+    float* w = wp ? wp + ((u0 / kQuarter) * 6 + nk * (nk - 1) / 2) * K : nullptr;
     vf acc[kQuarter];
     for (int m = 0; m < kQuarter; ++m) acc[m] = vzero();
     for_vectors(K, [&](int64_t c, int lanes) {
@@ -546,7 +598,9 @@ inline void diagonal_block_pivoted(int64_t n, int64_t K, int64_t C, float scale,
       for (int m = 0; m < nk; ++m) {
         const int64_t u = u0 + m;
         const vf x = vadd(vsub(bh, vload_k(g.hi + (r0 + u) * K + c, lanes)), vsub(bl, vload_k(g.lo + (r0 + u) * K + c, lanes)));
-        acc[m] = vfma(vmul(qv, vload_k(k + u * K + c, lanes)), vexp2(x), acc[m]);
+        const vf e = vexp2(x);
+        if (w) vstore_k(w + m * K + c, e, lanes);
+        acc[m] = vfma(vmul(qv, vload_k(k + u * K + c, lanes)), e, acc[m]);
       }
       acc[nk] = vfma(qv, vload_k(k + t * K + c, lanes), acc[nk]);
     });
@@ -554,11 +608,53 @@ inline void diagonal_block_pivoted(int64_t n, int64_t K, int64_t C, float scale,
   }
 }
 
+// The diagonal blocks' part of dq and dk (pairs u < t, the self terms left out as in intra_dqk),
+// from the factors diagonal_block_pivoted kept. qs, ks: kSub x K scratch each.
+inline void diagonal_dqk_pivoted(int64_t n, int64_t K, int64_t C, const float* q, const float* k, const float* dA,
+                                 const float* fac, float* dq, float* dk, float* qs, float* ks) {
+  if (n > kHalf) {
+    scaled_rows(n - kHalf, K, q + kHalf * K, fac, 1.0f, qs);
+    scaled_rows(kHalf, K, k, fac + kHalf * K, 1.0f, ks);
+    const float* d = dA + kHalf * C;
+    pivot_accumulate(n - kHalf, kHalf, K, d, C, 1, ks, fac, dq + kHalf * K);
+    pivot_accumulate(kHalf, n - kHalf, K, d, 1, C, qs, fac + kHalf * K, dk);
+  }
+  for (int64_t h = 0; h + kQuarter < n; h += kHalf) {
+    const int64_t m = h + kQuarter, nq = std::min(h + kHalf, n) - m;
+    const float* f = fac + (2 * kHalf + h) * K;
+    scaled_rows(nq, K, q + m * K, f, 1.0f, qs);
+    scaled_rows(kQuarter, K, k + h * K, f + kQuarter * K, 1.0f, ks);
+    const float* d = dA + m * C + h;
+    pivot_accumulate(nq, kQuarter, K, d, C, 1, ks, f, dq + m * K);
+    pivot_accumulate(kQuarter, nq, K, d, 1, C, qs, f + kQuarter * K, dk + h * K);
+  }
+  const float* wp = fac + kDiagPairs * K;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t u0 = t & ~(kQuarter - 1);
+    const int64_t nk = t - u0;
+    const float* w = wp + ((u0 / kQuarter) * 6 + nk * (nk - 1) / 2) * K;
+    const float* qt = q + t * K;
+    float* dqt = dq + t * K;
+    for (int64_t m = 0; m < nk; ++m) {
+      const int64_t u = u0 + m;
+      const float* ku = k + u * K;
+      float* dku = dk + u * K;
+      const vf av = vset(dA[t * C + u]);
+      for_vectors(K, [&](int64_t c, int lanes) {
+        const vf ae = vmul(av, vload_k(w + m * K + c, lanes));
+        vstore_k(dqt + c, vfma(ae, vload_k(ku + c, lanes), vload_k(dqt + c, lanes)), lanes);
+        vstore_k(dku + c, vfma(ae, vload_k(qt + c, lanes), vload_k(dku + c, lanes)), lanes);
+      });
+    }
+  }
+}
+
 // A[t][s] = scale * sum_k q_tk k_sk 2^(b_tk - b_sk) for s <= t < L; 0 for t < s < zero_to.
 // Off-diagonal sub-chunk blocks: one product per query sub-chunk i, pivoted at its first row p_i:
 // (q_t 2^(b_t - p_i)) . (k_s 2^(p_i - b_s)); the keys' factor for pivot i is the one for pivot i-1
-// times 2^(p_i - p_(i-1)), so each key row is exponentiated once. Diagonal blocks element-wise;
-// `wd` (optional, [nsub][kPairs][K]) receives their weights 2^(b_t - b_s) for the backward.
+// times 2^(p_i - p_(i-1)), so each key row is exponentiated once. Diagonal blocks by
+// diagonal_block_pivoted; `wd` (optional, [nsub][kDiagRows][K]) receives their factors for the
+// backward.
 // `qkeep` (optional, L x K) receives the pivot-scaled query rows of sub-chunks >= 1 (see
 // forward_chunk).
 inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const float* q, const float* k, const Gates& g,
@@ -584,37 +680,10 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
       gemm(ni, r0, K, qp, K, 1, s.kpt, C, A + r0 * C, C, false);
     }
     // Diagonal block.
-    if (wd == nullptr) {
-      GLA_PROF(5, "A diag fwd");
-      diagonal_block_pivoted(ni, K, C, scale, q + r0 * K, k + r0 * K, g, r0, A + r0 * C + r0, s);
-    } else {
-      GLA_PROF(6, "A diag elem");
-      float* w = wd + i * kPairs * K;
-      for (int64_t t = 0; t < ni; ++t) {
-        const float* qt = q + (r0 + t) * K;
-        const float* bth = g.hi + (r0 + t) * K;
-        const float* btl = g.lo + (r0 + t) * K;
-        float* arow = A + (r0 + t) * C;
-        // Keys in groups of up to kKeys: independent accumulators (one chain per key would be
-        // FMA-latency bound) and one load of the query row's data per group.
-        constexpr int kKeys = 4;
-        for (int64_t u0 = 0; u0 <= t; u0 += kKeys) {
-          const int nk = static_cast<int>(std::min<int64_t>(kKeys, t + 1 - u0));
-          vf acc[kKeys];
-          for (int m = 0; m < kKeys; ++m) acc[m] = vzero();
-          for_vectors(K, [&](int64_t c, int lanes) {
-            const vf qv = vload_k(qt + c, lanes), bh = vload_k(bth + c, lanes), bl = vload_k(btl + c, lanes);
-            for (int m = 0; m < nk; ++m) {
-              const int64_t s = r0 + u0 + m;
-              const vf x = vadd(vsub(bh, vload_k(g.hi + s * K + c, lanes)), vsub(bl, vload_k(g.lo + s * K + c, lanes)));
-              const vf e = vexp2(x);
-              vstore_k(w + (t * (t + 1) / 2 + u0 + m) * K + c, e, lanes);
-              acc[m] = vfma(vmul(qv, vload_k(k + s * K + c, lanes)), e, acc[m]);
-            }
-          });
-          for (int m = 0; m < nk; ++m) arow[r0 + u0 + m] = scale * vsum(acc[m]);
-        }
-      }
+    {
+      GLA_PROF(5, "A diag");
+      diagonal_block_pivoted(ni, K, C, scale, q + r0 * K, k + r0 * K, g, r0, A + r0 * C + r0, s.qp, s.krow,
+                             wd ? wd + i * kDiagRows * K : nullptr);
     }
     for (int64_t t = 0; t < ni; ++t) {
       for (int64_t u = r0 + t + 1; u < zero_to; ++u) A[(r0 + t) * C + u] = 0.0f;
@@ -807,21 +876,23 @@ inline void intra_dqk(int64_t L, int64_t K, int64_t C, const float* q, const flo
       fma_inplace(K, dk + (r0 + u) * K, s.tmp + u * K, s.fac);
     }
   }
-  // diagonal blocks, element-wise
+  // diagonal blocks: through the pivots of diagonal_block_pivoted when its factors are given
   for (int64_t i = 0; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
-    const float* w = wd ? wd + i * kPairs * K : nullptr;
+    if (wd) {
+      diagonal_dqk_pivoted(ni, K, C, q + r0 * K, k + r0 * K, dA + r0 * C + r0, wd + i * kDiagRows * K, dq + r0 * K,
+                           dk + r0 * K, s.tmp, s.tmp + kSub * K);
+      continue;
+    }
     for (int64_t t = 0; t < ni; ++t) {
       const float* qt = q + (r0 + t) * K;
       float* dqt = dq + (r0 + t) * K;
       for (int64_t u = 0; u < t; ++u) {
         const float* ks = k + (r0 + u) * K;
         float* dks = dk + (r0 + u) * K;
-        const float* wp = w ? w + (t * (t + 1) / 2 + u) * K : nullptr;
         const vf a = vset(dA[(r0 + t) * C + r0 + u]);
         for_vectors(K, [&](int64_t c, int lanes) {
-          const vf e = wp ? vload_k(wp + c, lanes) : vexp2(gate_diff(g, r0 + t, r0 + u, c, lanes));
-          const vf ae = vmul(a, e);
+          const vf ae = vmul(a, vexp2(gate_diff(g, r0 + t, r0 + u, c, lanes)));
           vstore_k(dqt + c, vfma(ae, vload_k(ks + c, lanes), vload_k(dqt + c, lanes)), lanes);
           vstore_k(dks + c, vfma(ae, vload_k(qt + c, lanes), vload_k(dks + c, lanes)), lanes);
         });
@@ -1024,7 +1095,7 @@ inline Tiles carve(const gla_problem& p, int64_t group, float* base, size_t* tot
   t.o = a.take(G * C * bv);
   t.S = a.take(G * K * padded_ld(bv));
   t.dS = a.take(Gb * K * V);
-  t.wd = a.take(nsub * kPairs * K);
+  t.wd = a.take(nsub * kDiagRows * K);
   t.dq = a.take(Gb * C * K);
   t.dk = a.take(Gb * C * K);
   t.dg = a.take(Gb * C * K);
@@ -1090,6 +1161,11 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
   }
 }
 
+#ifdef GLA_EXP_NOSTREAM_BWD
+inline constexpr bool kStreamBwd = false;
+#else
+inline constexpr bool kStreamBwd = true;
+#endif
 // Whole backward: item = (sequence, head). A forward pass recomputes the chunk-start states, then a
 // reverse pass carries dS and finishes each chunk's dq, dk, dv, dg while its tiles are in cache.
 inline void run_backward(const gla_problem& p, int64_t item, int64_t group, const Tiles& t) {
@@ -1188,10 +1264,10 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
       dstate_step(L, K, V, scale, q, gates, dout, dS, t.kl, t.run, decay);
     }
     GLA_PROF(23, "B2 stores");
-    if (has(p.dv)) store_tiles(p.dv, sp.batch, t0, L, h0, G, 0, V, t.dv, cv, V);
-    if (has(p.dq)) store_tiles(p.dq, sp.batch, t0, L, h0, G, 0, K, t.dq, ck, K);
-    if (has(p.dk)) store_tiles(p.dk, sp.batch, t0, L, h0, G, 0, K, t.dk, ck, K);
-    if (has(p.dg)) store_tiles(p.dg, sp.batch, t0, L, h0, G, 0, gk, t.dg, ck, K);
+    if (has(p.dv)) store_tiles(p.dv, sp.batch, t0, L, h0, G, 0, V, t.dv, cv, V, kStreamBwd);
+    if (has(p.dq)) store_tiles(p.dq, sp.batch, t0, L, h0, G, 0, K, t.dq, ck, K, kStreamBwd);
+    if (has(p.dk)) store_tiles(p.dk, sp.batch, t0, L, h0, G, 0, K, t.dk, ck, K, kStreamBwd);
+    if (has(p.dg)) store_tiles(p.dg, sp.batch, t0, L, h0, G, 0, gk, t.dg, ck, K, kStreamBwd);
   }
   if (has(p.dh0)) {
     for (int64_t j = 0; j < G; ++j) store_state(p, p.dh0, n, h0 + j, 0, V, t.dS + j * kv);
