@@ -454,6 +454,12 @@ inline vf gate_diff(const Gates& g, int64_t r1, int64_t r0, int64_t c, int lanes
 }
 // out[i] = x[i] * 2^(b[r1][i] - b[r0][i]) * s over K floats.
 inline void scale_exp2_rows(const Gates& g, const float* x, int64_t r1, int64_t r0, float s, float* out) {
+  if (s == 1.0f) {  // x * e * 1 == x * e exactly
+    for_vectors(g.K, [&](int64_t c, int lanes) {
+      vstore_k(out + c, vmul(vload_k(x + c, lanes), vexp2(gate_diff(g, r1, r0, c, lanes))), lanes);
+    });
+    return;
+  }
   for_vectors(g.K, [&](int64_t c, int lanes) {
     vstore_k(out + c, vmul(vmul(vload_k(x + c, lanes), vexp2(gate_diff(g, r1, r0, c, lanes))), vset(s)), lanes);
   });
@@ -498,8 +504,9 @@ inline constexpr int64_t kHalf = kSub / 2, kQuarter = kSub / 4;
 // Factor rows of one block: [0, 8) 2^(b_t - b_8), t = 8..15; [8, 16) 2^(b_8 - b_u), u = 0..7;
 // per half h (0, 1) at 16 + 8h: [0, 4) 2^(b_t - b_(8h+4)), t = 8h+4..8h+7; [4, 8) 2^(b_(8h+4) - b_u),
 // u = 8h..8h+3; at 32: the pairs u < t of each 4 x 4 triangle, 6 per triangle, (t%4)(t%4-1)/2 + u%4.
-inline constexpr int64_t kDiagRows = 56;
-inline constexpr int64_t kDiagPairs = 32;
+inline constexpr int64_t kQuarterPairs = kQuarter * (kQuarter - 1) / 2;  // pairs u < t of a triangle
+inline constexpr int64_t kDiagPairs = 4 * kHalf;                          // first pair row
+inline constexpr int64_t kDiagRows = kDiagPairs + 4 * kQuarterPairs;
 
 // out = x * s over K floats (the pivot row of a pivoted block: its factor 2^0 is exactly 1).
 inline void scale_row(int64_t K, const float* x, float s, float* out) {
@@ -590,7 +597,7 @@ inline void diagonal_block_pivoted(int64_t n, int64_t K, int64_t C, float scale,
     const float* btl = g.lo + (r0 + t) * K;
     const int64_t u0 = t & ~(kQuarter - 1);
     const int nk = static_cast<int>(t - u0);  // pairs with exp2; then the diagonal
-    float* w = wp ? wp + ((u0 / kQuarter) * 6 + nk * (nk - 1) / 2) * K : nullptr;
+    float* w = wp ? wp + ((u0 / kQuarter) * kQuarterPairs + nk * (nk - 1) / 2) * K : nullptr;
     vf acc[kQuarter];
     for (int m = 0; m < kQuarter; ++m) acc[m] = vzero();
     for_vectors(K, [&](int64_t c, int lanes) {
@@ -632,7 +639,7 @@ inline void diagonal_dqk_pivoted(int64_t n, int64_t K, int64_t C, const float* q
   for (int64_t t = 0; t < n; ++t) {
     const int64_t u0 = t & ~(kQuarter - 1);
     const int64_t nk = t - u0;
-    const float* w = wp + ((u0 / kQuarter) * 6 + nk * (nk - 1) / 2) * K;
+    const float* w = wp + ((u0 / kQuarter) * kQuarterPairs + nk * (nk - 1) / 2) * K;
     const float* qt = q + t * K;
     float* dqt = dq + t * K;
     for (int64_t m = 0; m < nk; ++m) {

@@ -22,9 +22,10 @@ inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
 inline vf vclamp_exp_arg(vf x) {
-  // max/min return their second operand when one is NaN, so a NaN gate stays NaN.
-  x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
-  return _mm512_min_ps(_mm512_set1_ps(128.0f), x);
+  // max returns its second operand when one is NaN, so a NaN gate stays NaN. Only the lower bound:
+  // it turns -inf (a -inf gate) into 0 instead of NaN; above, vscalef itself overflows to inf for
+  // any finite x (every exponent is <= 0 for valid gates anyway), and this is on the hot path.
+  return _mm512_max_ps(_mm512_set1_ps(-150.0f), x);
 }
 inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
