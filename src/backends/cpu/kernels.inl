@@ -704,8 +704,8 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
 // so k_s 2^(b_last - b_s) is that times 2^(b_last - p_last) (<= 0). That turns 96 of the chunk's
 // 128 row exponentials for o and the state into multiplies. qe: L x K, fac: K scratch.
 inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float scale, const float* q, const float* k,
-                          const Gates& g, const float* v, float* S, int64_t lds, float* o, float* A, const IntraScratch& s,
-                          float* qe, float* fac) {
+                          const Gates& g, const float* v, int64_t ldv, float* S, int64_t lds, float* o, float* A,
+                          const IntraScratch& s, float* qe, float* fac) {
   const int64_t nsub = (L + kSub - 1) / kSub;
   intra_attention(L, K, C, scale, q, k, g, A, std::min(C, nsub * kSub), nullptr, s, qe);
   {
@@ -721,7 +721,7 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
   {GLA_PROF(8, "F o");
   for (int64_t i = 0; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
-    const Seg seg[2] = {{K, qe + r0 * K, K, 1, S, lds}, {r0 + ni, A + r0 * C, C, 1, v, bv}};
+    const Seg seg[2] = {{K, qe + r0 * K, K, 1, S, lds}, {r0 + ni, A + r0 * C, C, 1, v, ldv}};
     gemm_segs(ni, bv, seg, 2, o + r0 * bv, bv, false);
   }
   }
@@ -741,7 +741,7 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
   exp2_rows(g, L - 1, -1, fac);
   }
   GLA_PROF(11, "F state gemm");
-  gemm(K, bv, L, s.kpt, C, 1, v, bv, S, lds, true, fac);  // S = Diag(2^b_last) S + kl^T v
+  gemm(K, bv, L, s.kpt, C, 1, v, ldv, S, lds, true, fac);  // S = Diag(2^b_last) S + kl^T v
 }
 
 // dA[t][s] = scale * do_t . v_s for s <= t < L; 0 for t < s < zero_to. vt: V x C scratch.
@@ -1094,7 +1094,7 @@ inline Tiles carve(const gla_problem& p, int64_t group, float* base, size_t* tot
   t.ee = a.take(C * K);
   t.blo = a.take(G * C * K);
   t.rund = reinterpret_cast<double*>(a.take(2 * K));  // used only as doubles
-  t.v = a.take(G * C * bv);
+  t.v = a.take(G * C * padded_ld(bv));
   const int64_t Gb = p.unit == GLA_UNIT_CHUNK_BWD ? G : 1;  // per-head backward tiles
   t.dout = a.take(Gb * C * V);
   t.A = a.take(C * C);
@@ -1141,7 +1141,8 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
   const Span sp = span_of(p, n);
   const int64_t K = p.K, C = kChunk;
   const int64_t lds = padded_ld(bv);
-  const int64_t ck = C * K, cv = C * bv, kv = K * lds;
+  const int64_t ldv = lds;  // v rows padded like S's (they are the B operand of A v and of the state update)
+  const int64_t ck = C * K, cv = C * bv, cvp = C * ldv, kv = K * lds;
   const float scale = static_cast<float>(p.scale);
   for (int64_t j = 0; j < G; ++j) load_initial_state(p, n, h0 + j, v0, bv, t.S + j * kv, lds);
   for (int64_t c0 = 0; c0 < sp.length; c0 += C) {
@@ -1149,16 +1150,16 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
     {GLA_PROF(0, "F loads");
     load_tiles(p.q, sp.batch, t0, L, h0, G, 0, K, t.q, ck, K);
     load_tiles(p.k, sp.batch, t0, L, h0, G, 0, K, t.k, ck, K);
-    load_tiles(p.v, sp.batch, t0, L, h0, G, v0, bv, t.v, cv, bv);
+    load_tiles(p.v, sp.batch, t0, L, h0, G, v0, bv, t.v, cvp, ldv);
     load_tiles(p.g, sp.batch, t0, L, h0, G, 0, p.gate_per_head ? 1 : K, t.b, ck, K);
     }
     for (int64_t j = 0; j < G; ++j) {
       float *q = t.q + j * ck, *k = t.k + j * ck, *b = t.b + j * ck, *blo = t.blo + j * ck;
-      float *v = t.v + j * cv, *o = t.o + j * cv, *S = t.S + j * kv;
+      float *v = t.v + j * cvp, *o = t.o + j * cv, *S = t.S + j * kv;
       {GLA_PROF(1, "F cumsum");
       cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);}
       const Gates gates{b, blo, K};
-      forward_chunk(L, K, bv, C, scale, q, k, gates, v, S, lds, o, t.A, t.intra, t.kl, t.run);
+      forward_chunk(L, K, bv, C, scale, q, k, gates, v, ldv, S, lds, o, t.A, t.intra, t.kl, t.run);
     }
     GLA_PROF(2, "F store");
     store_tiles(p.o, sp.batch, t0, L, h0, G, v0, bv, t.o, cv, bv);
