@@ -19,13 +19,22 @@ for step in "$@"; do
     skips) for m in 1 2 4 8 16 3 31; do echo "skip $m"; GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$OUT/skips.log" ;;
     ncu) ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis -k regex:chunk_forward -c 1 ./build-cuda/harness bench 8x4096x16x128 2>&1 | tee "$OUT/ncu.log" | grep -v "^==PROF" | tail -120 ;;
     sanitize) export GLA_CHECK_SMALL=1
-      compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/memcheck.log"
-      compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/racecheck.log"
+      timeout 240 compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/memcheck.log"
+      # racecheck does not model bar.arrive's release: the warp-specialised kernel runs its READY
+      # hand-off as bar.sync here (GLA_CUDA_SKIP=128; chunk_forward_ws_kernel.cuh says why).
+      GLA_CUDA_SKIP=128 timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/racecheck.log"
+      GLA_CUDA_KERNEL=mma-diag timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -3 | tee "$OUT/racecheck_mma_diag.log"
       unset GLA_CHECK_SMALL ;;
     gtest) LD_LIBRARY_PATH=build-cuda ./build-cuda/tests/cpp/gla_tests --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/gtest.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |FAILED|Failure|error" | head -40 ;;
-    fla) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
-      PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so 2>&1 | tee "$OUT/fla.log" | grep -v Warning
+    fla) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+      # fla caches its autotune choices (FLA_CACHE_RESULTS=1) and Triton its binaries in TRITON_CACHE_DIR;
+      # the cache comes back as $OUT/triton_cache.tgz: keep it in .devtmp/ and carry it to skip ~80 s per shape.
+      export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
+      ls .devtmp/triton_cache.tgz.part* >/dev/null 2>&1 && cat .devtmp/triton_cache.tgz.part* | tar -xzf - -C $TRITON_CACHE_DIR
+      PYTHONUNBUFFERED=1 timeout ${FLA_TIMEOUT:-540} python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so 2>&1 | tee "$OUT/fla.log" | grep -v Warning
+      tar -czf - -C $TRITON_CACHE_DIR . | split -b 15m - "$OUT/triton_cache.tgz.part"; ls -la "$OUT"/triton_cache.tgz.part*
       for i in 1 2 3; do python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first; done 2>&1 | tee "$OUT/first_py.log" ;;
+    pytest) GLA_LIBRARY=build-cuda/libgla.so PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest tests/python -m cuda -rs -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15 ;;
     final) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
       python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first 2>&1 | tee "$OUT/first_py.log"
       PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --fla-cases 8x4096x16x128 2>&1 | tee "$OUT/fla.log" | grep -v Warning ;;

@@ -213,7 +213,10 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
   p.gate_per_head = c.per_head;
   p.vector_loads = (c.K % 8 == 0 && c.V % 8 == 0) ? 1 : 0;
   p.debug_skip = std::getenv("GLA_CUDA_SKIP") ? std::atoi(std::getenv("GLA_CUDA_SKIP")) : 0;
-  p.kernel_variant = (std::getenv("GLA_CUDA_KERNEL") && std::string(std::getenv("GLA_CUDA_KERNEL")) == "mma-diag") ? 1 : 0;
+  {
+    const char* kv = std::getenv("GLA_CUDA_KERNEL");
+    p.kernel_variant = kv && std::string(kv) == "mma-diag" ? 1 : (kv && std::string(kv) == "plain" ? 2 : 0);
+  }
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<int64_t> so(P.N + 1);
@@ -368,7 +371,7 @@ static int run_check() {
     fails += !ok;
     std::printf("%-4s %-6s %-28s o %.2e ht %.2e nonfinite %lld/%lld path %s seg %lld x %lld\n", ok ? "ok" : "FAIL",
                 c.dtype == kBF16 ? "bf16" : c.dtype == kF16 ? "fp16" : "fp32", c.name.c_str(), eo, eh,
-                (long long)nf_o, (long long)nf_h, P.plan.use_chunk_kernel ? "chunk" : "recurrent",
+                (long long)nf_o, (long long)nf_h, !P.plan.use_chunk_kernel ? "recurrent" : P.plan.kernel == 2 ? "chunk-ws" : P.plan.kernel == 1 ? "chunk-mmadiag" : "chunk-plain",
                 (long long)P.plan.max_segments, (long long)P.plan.segment_chunks);
     // Determinism: a second run gives identical bytes.
     if (P.plan.use_chunk_kernel) {
@@ -454,8 +457,8 @@ int main(int argc, char** argv) {
       const float ms = time_ms(P, 30);
       const Case& c = P.c;
       const double bytes = double(c.B * c.T * c.H) * (3 * c.K + 2 * c.V) * 2;
-      std::printf("bench %-16s %.4f ms  (%.2f TB/s eff)  plan: dk %d bv %d seg %lld x %lld chunks ws %.1f MB\n", argv[i], ms,
-                  bytes / (ms * 1e-3) / 1e12, P.plan.head_dim_k, P.plan.value_tile, (long long)P.plan.max_segments,
+      std::printf("bench %-16s %.4f ms  (%.2f TB/s eff)  plan: k%d dk %d bv %d seg %lld x %lld chunks ws %.1f MB\n", argv[i], ms,
+                  bytes / (ms * 1e-3) / 1e12, P.plan.kernel, P.plan.head_dim_k, P.plan.value_tile, (long long)P.plan.max_segments,
                   (long long)P.plan.segment_chunks, P.plan.workspace_bytes / 1e6);
       release(P);
     }

@@ -4,7 +4,11 @@
 namespace gla::cuda::detail {
 
 cudaError_t run_chunk_d64(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
-  if (p.kernel_variant == 1) {
+  if (plan.kernel == 2) {
+    if (p.dtype == kBF16) return run_chunk_ws<64, __nv_bfloat16>(p, plan, workspace, stream);
+    return run_chunk_ws<64, __half>(p, plan, workspace, stream);
+  }
+  if (plan.kernel == 1) {
     if (p.dtype == kBF16) return run_chunk<64, 64, __nv_bfloat16, true>(p, plan, workspace, stream);
     return run_chunk<64, 64, __half, true>(p, plan, workspace, stream);
   }

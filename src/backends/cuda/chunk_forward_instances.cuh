@@ -3,6 +3,7 @@
 #pragma once
 
 #include "backends/cuda/chunk_forward_kernel.cuh"
+#include "backends/cuda/chunk_forward_ws_kernel.cuh"
 
 namespace gla::cuda::detail {
 
@@ -18,24 +19,59 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
     if (err != cudaSuccess) return err;
     raised = L.total;
   }
+  // max_segments < 0: only pass 1 (the warp-specialised kernel runs pass 2).
+  const bool pass1_only = plan.max_segments < 0;
+  const int64_t max_segments = pass1_only ? -plan.max_segments : plan.max_segments;
+  SegmentArgs sa{};
+  sa.segment_chunks = plan.segment_chunks;
+  sa.max_segments = max_segments;
+  sa.value_tiles = plan.value_tiles;
+  if (max_segments > 1) {
+    sa.seg_states = static_cast<float*>(workspace);
+    const size_t states = size_t(p.N) * max_segments * p.H * size_t(plan.value_tiles) * BV * DK;
+    sa.seg_decay = sa.seg_states + states;
+  }
+  const dim3 grid(static_cast<unsigned>(p.N * max_segments), static_cast<unsigned>(p.H * plan.value_tiles));
+  if (max_segments > 1) {
+    sa.pass = 1;
+    kernel<<<grid, BV * 2, L.total, stream>>>(p, sa);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess || pass1_only) return err;
+  }
+  sa.pass = 2;
+  kernel<<<grid, BV * 2, L.total, stream>>>(p, sa);
+  return cudaGetLastError();
+}
+
+// The warp-specialised kernel (pass 2; pass 1 of a segment split runs the plain kernel).
+template <int DK, typename E>
+cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
+  const WsSmem L = ws_smem_layout(DK, p.gate_per_head != 0);
+  auto kernel = chunk_forward_ws_kernel<DK, E>;
+  static int raised = 0;
+  if (raised < L.total) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
+    if (err != cudaSuccess) return err;
+    raised = L.total;
+  }
+  if (plan.max_segments > 1) {
+    ForwardPlan pass1 = plan;
+    pass1.max_segments = -plan.max_segments;  // marks "pass 1 only" for run_chunk
+    cudaError_t err = run_chunk<DK, DK, E, false>(p, pass1, workspace, stream);
+    if (err != cudaSuccess) return err;
+  }
   SegmentArgs sa{};
   sa.segment_chunks = plan.segment_chunks;
   sa.max_segments = plan.max_segments;
   sa.value_tiles = plan.value_tiles;
+  sa.pass = 2;
   if (plan.max_segments > 1) {
     sa.seg_states = static_cast<float*>(workspace);
-    const size_t states = size_t(p.N) * plan.max_segments * p.H * size_t(plan.value_tiles) * BV * DK;
+    const size_t states = size_t(p.N) * plan.max_segments * p.H * size_t(plan.value_tiles) * DK * DK;
     sa.seg_decay = sa.seg_states + states;
   }
   const dim3 grid(static_cast<unsigned>(p.N * plan.max_segments), static_cast<unsigned>(p.H * plan.value_tiles));
-  if (plan.max_segments > 1) {
-    sa.pass = 1;
-    kernel<<<grid, BV * 2, L.total, stream>>>(p, sa);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  sa.pass = 2;
-  kernel<<<grid, BV * 2, L.total, stream>>>(p, sa);
+  kernel<<<grid, DK * 4, L.total, stream>>>(p, sa);
   return cudaGetLastError();
 }
 

@@ -98,7 +98,7 @@ __device__ __forceinline__ uint16_t* level_copy(int level, uint16_t* qs, uint16_
 }
 
 template <int H, typename X>
-__device__ __forceinline__ void write_level_copy(uint16_t* dst, const ChunkSmem& L, int sub, int k0,
+__device__ __forceinline__ void write_level_copy(uint16_t* dst, int pq, int sub, int k0,
                                                  const uint32_t (&qv)[16], const uint32_t (&kv)[16],
                                                  const float (&e0)[16], const float (&e1)[16]) {
 #pragma unroll
@@ -108,7 +108,7 @@ __device__ __forceinline__ void write_level_copy(uint16_t* dst, const ChunkSmem&
 #pragma unroll
     for (int r = piv; r >= b0; --r) {  // key members: k_r prod_{u=r+1..piv} e_u
       const float2 k = X::to_float2(kv[r]);
-      *reinterpret_cast<uint32_t*>(dst + (sub * 16 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
+      *reinterpret_cast<uint32_t*>(dst + (sub * 16 + r) * pq + k0) = X::pack(k.x * f0, k.y * f1);
       f0 *= e0[r];
       f1 *= e1[r];
     }
@@ -118,7 +118,7 @@ __device__ __forceinline__ void write_level_copy(uint16_t* dst, const ChunkSmem&
       f0 *= e0[r];
       f1 *= e1[r];
       const float2 q = X::to_float2(qv[r]);
-      *reinterpret_cast<uint32_t*>(dst + (sub * 16 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
+      *reinterpret_cast<uint32_t*>(dst + (sub * 16 + r) * pq + k0) = X::pack(q.x * f0, q.y * f1);
     }
   }
 }
@@ -192,10 +192,10 @@ __device__ __forceinline__ void mma_diag_elementwise(const ForwardParams& p, con
     }
   }
   // Level copies (half sizes 8, 4, 2, 1 as template arguments, so every index is a constant).
-  write_level_copy<8, X>(level_copy<X>(0, qs, ks, gs, smem, L, per_head, gate_bytes), L, sub, k0, qv, kv, e0, e1);
-  write_level_copy<4, X>(level_copy<X>(1, qs, ks, gs, smem, L, per_head, gate_bytes), L, sub, k0, qv, kv, e0, e1);
-  write_level_copy<2, X>(level_copy<X>(2, qs, ks, gs, smem, L, per_head, gate_bytes), L, sub, k0, qv, kv, e0, e1);
-  write_level_copy<1, X>(level_copy<X>(3, qs, ks, gs, smem, L, per_head, gate_bytes), L, sub, k0, qv, kv, e0, e1);
+  write_level_copy<8, X>(level_copy<X>(0, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub, k0, qv, kv, e0, e1);
+  write_level_copy<4, X>(level_copy<X>(1, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub, k0, qv, kv, e0, e1);
+  write_level_copy<2, X>(level_copy<X>(2, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub, k0, qv, kv, e0, e1);
+  write_level_copy<1, X>(level_copy<X>(3, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub, k0, qv, kv, e0, e1);
   // Reduce dg over the warp: half-exchange (lanes 0-15 keep rows 0-7, 16-31 rows 8-15), then a
   // butterfly over 16 lanes. Fixed order: deterministic.
   const bool upper = (lane & 16) != 0;

@@ -14,6 +14,9 @@ namespace gla::cuda::detail {
 constexpr float kLog2e = 1.4426950408889634f;
 
 __host__ __device__ __forceinline__ int64_t gla_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t gla_max64(int64_t a, int64_t b) { return a > b ? a : b; }
+// Column of a lane's first element in an mma.sync C fragment (and in a B fragment's row pair).
+__device__ __forceinline__ int fc_of(int lane) { return (lane & 3) * 2; }
 
 // 2^x by the special-function unit (relative error ~2^-22); x <= 0 everywhere we call it.
 __device__ __forceinline__ float fast_exp2(float x) {

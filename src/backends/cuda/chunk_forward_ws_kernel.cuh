@@ -1,0 +1,562 @@
+// The chunked forward, warp-specialised: two warp groups in one CTA work on consecutive chunks at
+// once, so the element-wise and intra-chunk work of chunk c+1 overlaps the state work of chunk c.
+//
+// Same mathematics and numerics as chunk_forward_kernel.cuh with MMA_DIAG (tensor-core diagonal
+// blocks by binary pivot levels); read that file's header first. What changes is who does what:
+//
+//   prep group  (warps 0 .. DK/16-1, 2*DK threads, one element-wise item (column pair, sub-chunk)
+//               each): cp.async of q, k, g into one raw stage; cumsum, e, qloc/kloc, the level
+//               copies; A (off-diagonal blocks and levels on tensor cores, diagonal and the h = 1
+//               pairs from shuffle reductions); qg/kg and the chunk decay. It publishes them in one
+//               of two slots {qg, kg, A, decay} and moves on to the next chunk.
+//   state group (warps DK/16 .. , BV/16 warps; warp w owns value rows 16w..16w+15 of S^T in fp32
+//               registers): cp.async of v (two stages); o^T = S^T qg^T + V^T A^T, S^T update,
+//               o through its own columns of the v stage (private to the warp) to global memory.
+//
+// Hand-off by named barriers (bar.sync / bar.arrive): READY[s] (prep arrives, state syncs) and
+// FREE[s] (state arrives, prep syncs) for slot s = chunk & 1; each group also has its own
+// barrier for its internal phases. Raw q/k/g are read into registers at the start of the prep's
+// element-wise phase, so the next chunk's loads are issued right after and have the rest of the
+// chunk to land. The smallest pivot level (pairs 2i+1, 2i) is a reduction, not a level copy:
+// that keeps the CTA within 227 KB of shared memory at DK = 128.
+//
+// Scope: DK = BV (64 or 128), 16-bit q/k/v, 16-bit per-key gate or per-head gate, vector loads;
+// pass 2 only (pass 1 of a segment split runs the plain kernel). Everything else runs the plain
+// kernel (the planner decides).
+#pragma once
+
+#include "backends/cuda/chunk_forward_kernel.cuh"
+
+namespace gla::cuda::detail {
+
+// Shared-memory layout (bytes) of the warp-specialised kernel. Indexed buffers are base + i * step
+// (no arrays: a struct indexed at run time would live in local memory).
+struct WsSmem {
+  int pq, pv, pa, pg;
+  int q, k, g;              // raw stage
+  int lvl0, lvl_step;       // level copies h = 8, 4, 2
+  int v0, v_step;           // two v stages
+  int slot0, slot_step;     // two slots, each {qw, kw, A, decay} at the offsets below
+  int s_qw, s_kw, s_a, s_dfac;
+  int tot, dpart;
+  int total;
+  __host__ __device__ int lvl(int i) const { return lvl0 + i * lvl_step; }
+  __host__ __device__ int v(int i) const { return v0 + i * v_step; }
+  __host__ __device__ int qw(int i) const { return slot0 + i * slot_step + s_qw; }
+  __host__ __device__ int kw(int i) const { return slot0 + i * slot_step + s_kw; }
+  __host__ __device__ int a(int i) const { return slot0 + i * slot_step + s_a; }
+  __host__ __device__ int dfac(int i) const { return slot0 + i * slot_step + s_dfac; }
+};
+__host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head) {
+  WsSmem s{};
+  s.pq = dk + 8;
+  s.pv = dk + 8;
+  s.pa = kChunk + 8;
+  s.pg = dk + 8;
+  const int tile = kChunk * s.pq * 2;
+  int off = 0;
+  s.q = off; off += tile;
+  s.k = off; off += tile;
+  s.g = off; off += per_head ? kChunk * 4 : kChunk * s.pg * 2;
+  s.lvl0 = off; s.lvl_step = tile; off += 3 * tile;
+  s.v0 = off; s.v_step = kChunk * s.pv * 2; off += 2 * s.v_step;
+  s.s_qw = 0;
+  s.s_kw = tile;
+  s.s_a = 2 * tile;
+  s.s_dfac = s.s_a + kChunk * s.pa * 2;
+  s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
+  s.tot = off; off += 4 * dk * 4;
+  s.dpart = off; off += (dk / 16) * 24 * 4;
+  s.total = off;
+  return s;
+}
+
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// Barrier ids (0 is __syncthreads).
+constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
+
+template <int DK, typename E>
+__global__ void __launch_bounds__(DK * 4, 1)
+chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
+  using X = Elem<E>;
+  constexpr int BV = DK;
+  constexpr int NP = 2 * DK;        // prep threads
+  constexpr int NS = 2 * BV;        // state threads
+  constexpr int NT = NP + NS;
+  constexpr int NKT = DK / 8;
+  constexpr int kWarpsPerSub = DK / 64;
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t n = blockIdx.x / sa.max_segments;
+  const int64_t m = blockIdx.x % sa.max_segments;
+  const int64_t h = blockIdx.y / sa.value_tiles;
+  const int vt = blockIdx.y % sa.value_tiles;
+  const int64_t v0 = int64_t(vt) * BV;
+
+  const SeqSpan seq = sequence_span(p, n);
+  const int64_t nchunks = (seq.len + kChunk - 1) / kChunk;
+  const int64_t nseg = nchunks == 0 ? 1 : (nchunks + sa.segment_chunks - 1) / sa.segment_chunks;
+  if (m >= nseg) return;
+  const int64_t c_begin = m * sa.segment_chunks;
+  const int64_t c_end = gla_min64(nchunks, c_begin + sa.segment_chunks);
+
+  const bool per_head = p.gate_per_head != 0;
+  const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;  // 4 only with per_head here
+  const WsSmem L = ws_smem_layout(DK, per_head);
+
+  // Zero both A slots once: the strict upper triangle is never written again.
+  for (int s = 0; s < 2; ++s) {
+    uint32_t* a = reinterpret_cast<uint32_t*>(smem + L.a(s));
+    for (int i = tid; i < kChunk * L.pa / 2; i += NT) a[i] = 0u;
+  }
+  __syncthreads();
+
+  const size_t esz = 2;
+  if (warp < NP / 32) {
+    // =============================== prep group ===============================
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (NT == 512) asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::);
+#endif
+    uint16_t* qs = reinterpret_cast<uint16_t*>(smem + L.q);
+    uint16_t* ks = reinterpret_cast<uint16_t*>(smem + L.k);
+    unsigned char* gs = smem + L.g;
+    float* tot = reinterpret_cast<float*>(smem + L.tot);
+    float* dpart = reinterpret_cast<float*>(smem + L.dpart);
+    const int cp = tid % (DK / 2), sub = tid / (DK / 2), k0 = cp * 2;
+
+    auto issue_loads = [&](int64_t chunk) {
+      const int64_t t0 = seq.bos + chunk * kChunk;
+      const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
+      const char* qb = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + t0 * p.q_stride[1] + h * p.q_stride[2]) * esz;
+      const char* kb = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + t0 * p.k_stride[1] + h * p.k_stride[2]) * esz;
+      const char* gb = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + t0 * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
+      constexpr int CPR = DK / 8;
+      for (int i = tid; i < kChunk * CPR; i += NP) {
+        const int r = i / CPR, c = i % CPR;
+        const bool ok = r < rows && c * 8 < p.K;
+        cp_async16(smem + L.q + (r * L.pq + c * 8) * 2, ok ? qb + (r * p.q_stride[1] + c * 8) * esz : qb, ok);
+        cp_async16(smem + L.k + (r * L.pq + c * 8) * 2, ok ? kb + (r * p.k_stride[1] + c * 8) * esz : kb, ok);
+        if (!per_head) {
+          cp_async16(smem + L.g + (r * L.pg + c * 8) * 2, ok ? gb + (r * p.g_stride[1] + c * 8) * 2 : gb, ok);
+        }
+      }
+      if (per_head) {
+        for (int r = tid; r < kChunk; r += NP) {
+          const bool ok = r < rows;
+          if (gate_bytes == 4) {
+            reinterpret_cast<float*>(gs)[r] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1]] : 0.f;
+          } else {
+            reinterpret_cast<uint16_t*>(gs)[r] = ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1]] : uint16_t(0);
+          }
+        }
+      }
+      cp_async_commit();
+    };
+
+    if (c_begin < c_end) issue_loads(c_begin);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int slot = static_cast<int>(c & 1);
+      uint16_t* qw = reinterpret_cast<uint16_t*>(smem + L.qw(slot));
+      uint16_t* kw = reinterpret_cast<uint16_t*>(smem + L.kw(slot));
+      uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a(slot));
+      float* dfac = reinterpret_cast<float*>(smem + L.dfac(slot));
+      cp_async_wait_all();
+      named_sync(kBarPrep, NP);  // raw stage complete; the last chunk's tot/dpart readers are done
+
+      const bool prep_math = !(p.debug_skip & 64);  // profiling: 64 = hand-offs and loads only
+      // ---- element-wise, read phase: raw q, k, g -> registers ----
+      uint32_t qv[16], kv[16];
+      float e0[16], e1[16];
+      float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int t = sub * 16 + r;
+        float g0, g1;
+        if (per_head) {
+          g0 = g1 = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[t]
+                                    : X::to_float(reinterpret_cast<const uint16_t*>(gs)[t]);
+        } else {
+          const float2 gv = X::to_float2(*reinterpret_cast<const uint32_t*>(gs + (t * L.pg + k0) * 2));
+          g0 = gv.x;
+          g1 = gv.y;
+        }
+        g0 *= kLog2e;
+        g1 *= kLog2e;
+        a0 += g0;
+        a1 += g1;
+        e0[r] = fast_exp2(g0);
+        e1[r] = fast_exp2(g1);
+        qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pq + k0);
+        kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pq + k0);
+      }
+      tot[sub * DK + k0] = a0;
+      tot[sub * DK + k0 + 1] = a1;
+      // Partials over this column pair: q_t . k_t (diagonal) and q_{2i+1} e_{2i+1} . k_{2i} (the
+      // h = 1 level: pivot at row 2i, so the query factor is e_{2i+1} <= 1 and the key factor 1).
+      float dg[16], pr[8];
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const float2 q = X::to_float2(qv[r]), k = X::to_float2(kv[r]);
+        dg[r] = q.x * k.x + q.y * k.y;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 q = X::to_float2(qv[2 * i + 1]), k = X::to_float2(kv[2 * i]);
+        pr[i] = q.x * e0[2 * i + 1] * k.x + q.y * e1[2 * i + 1] * k.y;
+      }
+      named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
+      if (c + 1 < c_end) issue_loads(c + 1);
+      // The slot was last used by chunk c-2: wait until the state group is done with it.
+      if (c >= c_begin + 2) named_sync(kBarFree0 + slot, NT);
+
+      // ---- element-wise, write phase: qloc, kloc, level copies; reductions ----
+      if (prep_math) {
+        float f0 = 1.f, f1 = 1.f;
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          f0 *= e0[r];
+          f1 *= e1[r];
+          const float2 q = X::to_float2(qv[r]);
+          *reinterpret_cast<uint32_t*>(qw + (sub * 16 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
+        }
+        f0 = f1 = 1.f;
+#pragma unroll
+        for (int r = 15; r >= 0; --r) {
+          const float2 k = X::to_float2(kv[r]);
+          *reinterpret_cast<uint32_t*>(kw + (sub * 16 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
+          f0 *= e0[r];
+          f1 *= e1[r];
+        }
+      }
+      if (prep_math) {
+        write_level_copy<8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)), L.pq, sub, k0, qv, kv, e0, e1);
+        write_level_copy<4, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)), L.pq, sub, k0, qv, kv, e0, e1);
+        write_level_copy<2, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)), L.pq, sub, k0, qv, kv, e0, e1);
+      }
+      if (prep_math) {
+        // Reduce dg (16 rows) and pr (8 pairs) over the warp: half-exchange, then butterflies.
+        const bool upper = (lane & 16) != 0;
+        float hv[8], hp[4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float send = upper ? dg[i] : dg[i + 8];
+          const float keep = upper ? dg[i + 8] : dg[i];
+          hv[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float send = upper ? pr[i] : pr[i + 4];
+          const float keep = upper ? pr[i + 4] : pr[i];
+          hp[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+        }
+#pragma unroll
+        for (int o = 8; o >= 1; o >>= 1) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) hv[i] += __shfl_xor_sync(0xffffffffu, hv[i], o);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) hp[i] += __shfl_xor_sync(0xffffffffu, hp[i], o);
+        }
+        if ((lane & 15) == 0) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dpart[warp * 24 + (upper ? 8 : 0) + i] = hv[i];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dpart[warp * 24 + 16 + (upper ? 4 : 0) + i] = hp[i];
+        }
+      }
+      named_sync(kBarPrep, NP);
+
+      // ---- A: off-diagonal blocks, the three level products, diagonal and h = 1 entries ----
+      {
+        constexpr int kTasks = 6 + 12;
+        const int mi = lane >> 3;
+        for (int task = warp; task < kTasks && prep_math; task += NP / 32) {
+          if (task < 6) {
+            // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
+            const int i = (0x332321 >> (4 * task)) & 15, j = (0x010210 >> (4 * task)) & 15;
+            float acc[2][4] = {};
+            const int arow = i * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
+            const int brow = j * 16 + (lane & 7) + (mi >> 1) * 8, bcol = (mi & 1) * 8;
+#pragma unroll
+            for (int kk = 0; kk < DK / 16; ++kk) {
+              uint32_t a[4], b[4];
+              ldsm_x4(a, qw + arow * L.pq + kk * 16 + acol);
+              ldsm_x4(b, kw + brow * L.pq + kk * 16 + bcol);
+              if (i - j > 1) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                  const int kcol = kk * 16 + half * 8 + fc_of(lane);
+                  float s0 = 0.f, s1 = 0.f;
+                  for (int l = j + 1; l < i; ++l) {
+                    s0 += tot[l * DK + kcol];
+                    s1 += tot[l * DK + kcol + 1];
+                  }
+                  s0 = fast_exp2(s0);
+                  s1 = fast_exp2(s1);
+                  const float2 x0 = X::to_float2(a[half * 2]), x1 = X::to_float2(a[half * 2 + 1]);
+                  a[half * 2] = X::pack(x0.x * s0, x0.y * s1);
+                  a[half * 2 + 1] = X::pack(x1.x * s0, x1.y * s1);
+                }
+              }
+              X::mma(acc[0], a, b[0], b[1]);
+              X::mma(acc[1], a, b[2], b[3]);
+            }
+            const int fr = lane >> 2, fc = fc_of(lane);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              const int row = i * 16 + fr, col = j * 16 + nt * 8 + fc;
+              *reinterpret_cast<uint32_t*>(As + row * L.pa + col) = X::pack(acc[nt][0], acc[nt][1]);
+              *reinterpret_cast<uint32_t*>(As + (row + 8) * L.pa + col) = X::pack(acc[nt][2], acc[nt][3]);
+            }
+          } else {
+            const int lt = task - 6, lsub = lt / 3, level = lt % 3, hh = 8 >> level;
+            const uint16_t* src = reinterpret_cast<const uint16_t*>(smem + L.lvl(level));
+            const int jb = lane & 7;
+            const int key_row = lsub * 16 + (jb / hh) * 2 * hh + (jb % hh);
+            const int arow = lsub * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int kk = 0; kk < DK / 16; kk += 2) {
+              uint32_t a0r[4], a1r[4], b[4];
+              ldsm_x4(a0r, src + arow * L.pq + kk * 16 + acol);
+              ldsm_x4(a1r, src + arow * L.pq + (kk + 1) * 16 + acol);
+              ldsm_x4(b, src + key_row * L.pq + kk * 16 + mi * 8);
+              X::mma(acc, a0r, b[0], b[1]);
+              X::mma(acc, a1r, b[2], b[3]);
+            }
+            const int fr = lane >> 2, fc = fc_of(lane);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int t = fr + (e >> 1) * 8, jj = fc + (e & 1);
+              const int s = (jj / hh) * 2 * hh + (jj % hh);
+              if (t / (2 * hh) == jj / hh && (t % (2 * hh)) >= hh) {
+                As[(lsub * 16 + t) * L.pa + lsub * 16 + s] = X::from_float(acc[e]);
+              }
+            }
+          }
+        }
+        if (tid < kChunk) {
+          const int t = tid, tsub = t >> 4, r = t & 15;
+          float sd = 0.f, sp = 0.f;
+#pragma unroll
+          for (int w = 0; w < kWarpsPerSub; ++w) {
+            sd += dpart[(tsub * kWarpsPerSub + w) * 24 + r];
+            sp += dpart[(tsub * kWarpsPerSub + w) * 24 + 16 + (r >> 1)];
+          }
+          As[t * L.pa + t] = X::from_float(sd);
+          if (r & 1) As[t * L.pa + t - 1] = X::from_float(sp);
+        }
+      }
+      named_sync(kBarPrep, NP);  // A done; qloc/kloc no longer read as such
+
+      // ---- qg = qloc 2^{Pre}, kg = kloc 2^{Post}; the chunk's decay 2^{b_last} ----
+      if (prep_math) {
+        float pre0 = 0.f, pre1 = 0.f, post0 = 0.f, post1 = 0.f;
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+          const float t0 = tot[l * DK + k0], t1 = tot[l * DK + k0 + 1];
+          if (l < sub) { pre0 += t0; pre1 += t1; }
+          if (l > sub) { post0 += t0; post1 += t1; }
+        }
+        if (sub == 0) {
+          dfac[k0] = fast_exp2(post0 + tot[k0]);
+          dfac[k0 + 1] = fast_exp2(post1 + tot[k0 + 1]);
+        }
+        const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
+        const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          const int t = sub * 16 + r;
+          if (sub > 0) {
+            uint32_t* qp = reinterpret_cast<uint32_t*>(qw + t * L.pq + k0);
+            const float2 x = X::to_float2(*qp);
+            *qp = X::pack(x.x * fq0, x.y * fq1);
+          }
+          if (sub < 3) {
+            uint32_t* kp = reinterpret_cast<uint32_t*>(kw + t * L.pq + k0);
+            const float2 x = X::to_float2(*kp);
+            *kp = X::pack(x.x * fk0, x.y * fk1);
+          }
+        }
+      }
+      // Publish the slot. Debug bit 128 (racecheck runs): bar.sync instead of bar.arrive, so the
+      // state group's reads of slot s in chunk c are also ordered before the prep's writes of
+      // chunk c+2 by READY[s^1] of chunk c+1 -- compute-sanitizer's racecheck does not model the
+      // release that bar.arrive carries (PTX ISA, barrier: "sync, red or arrive ... guarantees that
+      // when the barrier completes, prior memory accesses requested by this thread are performed
+      // relative to all threads participating in the barrier") and reports the arrive/sync
+      // hand-off itself as hazards.
+      if (p.debug_skip & 128) {
+        named_sync(kBarReady0 + slot, NT);
+      } else {
+        named_arrive(kBarReady0 + slot, NT);
+      }
+    }
+    // Balance the FREE barriers of the last (up to) two chunks, which the loop did not wait for.
+    for (int64_t c = gla_max64(c_begin, c_end - 2); c < c_end; ++c) named_sync(kBarFree0 + static_cast<int>(c & 1), NT);
+  } else {
+    // =============================== state group ===============================
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (NT == 512) asm volatile("setmaxnreg.inc.sync.aligned.u32 144;\n" ::);
+#endif
+    const int stid = tid - NP, swarp = warp - NP / 32;
+    const int fr = lane >> 2, fc = fc_of(lane);
+    const int vrow = swarp * 16;
+
+    auto issue_v = [&](int64_t chunk, int stage) {
+      const int64_t t0 = seq.bos + chunk * kChunk;
+      const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
+      const char* vb = static_cast<const char*>(p.v) + (seq.batch * p.v_stride[0] + t0 * p.v_stride[1] + h * p.v_stride[2] + v0) * esz;
+      constexpr int VPR = BV / 8;
+      for (int i = stid; i < kChunk * VPR; i += NS) {
+        const int r = i / VPR, c = i % VPR;
+        const bool ok = r < rows && v0 + c * 8 < p.V;
+        cp_async16(smem + L.v(stage) + (r * L.pv + c * 8) * 2, ok ? vb + (r * p.v_stride[1] + c * 8) * esz : vb, ok);
+      }
+      cp_async_commit();
+    };
+    if (c_begin < c_end) issue_v(c_begin, static_cast<int>(c_begin & 1));
+
+    float S[NKT][4];
+    {
+      const bool have_h0 = p.initial_state != nullptr;
+#pragma unroll
+      for (int j = 0; j < NKT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int vv = vrow + fr + (e >> 1) * 8;
+          const int kk = j * 8 + fc + (e & 1);
+          float x = 0.f;
+          if (have_h0 && kk < p.K && v0 + vv < p.V) {
+            x = p.initial_state[state_index(p.h0_stride, p.state_v_first, n, h, kk, v0 + vv)];
+          }
+          for (int64_t s = 0; s < m; ++s) {
+            const int64_t si = (n * sa.max_segments + s) * p.H + h;
+            const float d = sa.seg_decay[si * DK + kk];
+            const float loc = sa.seg_states[(si * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk];
+            x = fast_exp2(d) * x + loc;
+          }
+          S[j][e] = x;
+        }
+      }
+    }
+
+    const int mi = lane >> 3;
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int slot = static_cast<int>(c & 1);
+      uint16_t* vs = reinterpret_cast<uint16_t*>(smem + L.v(slot));
+      const uint16_t* qw = reinterpret_cast<const uint16_t*>(smem + L.qw(slot));
+      const uint16_t* kw = reinterpret_cast<const uint16_t*>(smem + L.kw(slot));
+      const uint16_t* As = reinterpret_cast<const uint16_t*>(smem + L.a(slot));
+      const float* dfac = reinterpret_cast<const float*>(smem + L.dfac(slot));
+      const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
+      cp_async_wait_all();
+      named_sync(kBarState, NS);  // v of chunk c landed; the other stage's last readers are done
+      if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
+
+      uint32_t vf[4][4];  // V^T fragments (M = this warp's value rows, K = tokens)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        ldsm_x4_trans(vf[kk], vs + (kk * 16 + (lane & 7) + (mi >> 1) * 8) * L.pv + vrow + (mi & 1) * 8);
+      }
+      named_sync(kBarReady0 + slot, NT);  // qg, kg, A, decay of chunk c are published
+
+      float acc[8][4] = {};
+      const bool state_math = !(p.debug_skip & 32);  // profiling: 32 = loads, hand-offs, stores only
+      if (state_math) {
+        const int nrow = (lane & 7) + (mi >> 1) * 8, ncol = (mi & 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < DK / 16; ++kk) {
+          uint32_t a[4];
+          a[0] = X::pack(S[2 * kk][0], S[2 * kk][1]);
+          a[1] = X::pack(S[2 * kk][2], S[2 * kk][3]);
+          a[2] = X::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+          a[3] = X::pack(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+#pragma unroll
+          for (int nt2 = 0; nt2 < 4; ++nt2) {
+            uint32_t b[4];
+            ldsm_x4(b, qw + (nt2 * 16 + nrow) * L.pq + kk * 16 + ncol);
+            X::mma(acc[2 * nt2], a, b[0], b[1]);
+            X::mma(acc[2 * nt2 + 1], a, b[2], b[3]);
+          }
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int nt2 = 0; nt2 < 4; ++nt2) {
+            if (kk > nt2) continue;  // A is zero above the diagonal
+            uint32_t b[4];
+            ldsm_x4(b, As + (nt2 * 16 + nrow) * L.pa + kk * 16 + ncol);
+            X::mma(acc[2 * nt2], vf[kk], b[0], b[1]);
+            X::mma(acc[2 * nt2 + 1], vf[kk], b[2], b[3]);
+          }
+        }
+      }
+      // State update: S^T = S^T diag(2^{b_last}) + V^T kg.
+#pragma unroll
+      for (int j = 0; j < NKT && state_math; ++j) {
+        const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
+        S[j][0] *= d0;
+        S[j][1] *= d1;
+        S[j][2] *= d0;
+        S[j][3] *= d1;
+      }
+#pragma unroll
+      for (int kk = 0; kk < 4 && state_math; ++kk) {
+#pragma unroll
+        for (int nt2 = 0; nt2 < DK / 16; ++nt2) {
+          uint32_t b[4];
+          ldsm_x4_trans(b, kw + (kk * 16 + (lane & 7) + (mi & 1) * 8) * L.pq + nt2 * 16 + (mi >> 1) * 8);
+          X::mma(S[2 * nt2], vf[kk], b[0], b[1]);
+          X::mma(S[2 * nt2 + 1], vf[kk], b[2], b[3]);
+        }
+      }
+      named_arrive(kBarFree0 + slot, NT);  // done with the slot
+
+      // o^T -> this warp's own columns of the v stage (only this warp read them) -> global.
+      const float sc = p.scale;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int t = nt * 8 + fc;
+        const int vv = vrow + fr;
+        vs[t * L.pv + vv] = X::from_float(acc[nt][0] * sc);
+        vs[(t + 1) * L.pv + vv] = X::from_float(acc[nt][1] * sc);
+        vs[t * L.pv + vv + 8] = X::from_float(acc[nt][2] * sc);
+        vs[(t + 1) * L.pv + vv + 8] = X::from_float(acc[nt][3] * sc);
+      }
+      __syncwarp();
+      const int64_t t0 = seq.bos + c * kChunk;
+      char* ob = static_cast<char*>(p.o) + (seq.batch * p.o_stride[0] + t0 * p.o_stride[1] + h * p.o_stride[2] + v0 + vrow) * esz;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1;
+        if (r < rows && v0 + vrow + half * 8 < p.V) {
+          *reinterpret_cast<uint4*>(ob + (r * p.o_stride[1] + half * 8) * esz) =
+              *reinterpret_cast<const uint4*>(vs + r * L.pv + vrow + half * 8);
+        }
+      }
+    }
+
+    if (m == nseg - 1 && p.final_state != nullptr) {
+#pragma unroll
+      for (int j = 0; j < NKT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int vv = vrow + fr + (e >> 1) * 8;
+          const int kk = j * 8 + fc + (e & 1);
+          if (kk < p.K && v0 + vv < p.V) {
+            p.final_state[state_index(p.ht_stride, p.state_v_first, n, h, kk, v0 + vv)] = S[j][e];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace gla::cuda::detail
