@@ -787,6 +787,21 @@ inline void state_step(int64_t L, int64_t K, int64_t bv, const float* k, const G
   gemm(K, bv, L, kl, 1, K, v, bv, S_out, bv, true);
 }
 
+// The same step on the transposed state (V x K): St_out = St_in Diag(2^b_last) + v^T (k ⊙ 2^(b_last - b)).
+// The backward keeps its chunk-start states this way: its only use of them, do S_c^T in dq and
+// rowsum(S_c ⊙ dS) in dg, reads them transposed, so no 128 x 128 transpose per chunk.
+inline void state_step_transposed(int64_t L, int64_t K, int64_t V, const float* k, const Gates& g, const float* v,
+                                  const float* St_in, float* St_out, float* kl, float* fac) {
+  for (int64_t r = 0; r < L; ++r) scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, kl + r * K);
+  exp2_rows(g, L - 1, -1, fac);
+  for (int64_t vv = 0; vv < V; ++vv) {
+    const float* src = St_in + vv * K;
+    float* dst = St_out + vv * K;
+    for_vectors(K, [&](int64_t c, int lanes) { vstore_k(dst + c, vmul(vload_k(src + c, lanes), vload_k(fac + c, lanes)), lanes); });
+  }
+  gemm(V, K, L, v, 1, V, kl, K, St_out, K, true);
+}
+
 // Rows 2^(b_t) and 2^(b_last - b_t) (L x K each), when a caller has them for several stages.
 struct DecayRows {
   const float* from_start = nullptr;
@@ -929,6 +944,7 @@ struct InterScratch {
   double* acc;  // K
 };
 
+// St: the chunk-start state transposed (V x K).
 // Inter-chunk parts: dq += scale 2^b ⊙ (do S_c^T), dk += dk_inter = 2^(b_last - b) ⊙ (v dS^T); and
 // dg (L x K, when non-null). SPEC's form is
 //   dg_u = sum_{t >= u} (q_t⊙dq_t - k_t⊙dk_t) + 2^b_last ⊙ rowsum(S_c ⊙ dS) + sum_s k_s⊙dk_inter_s,
@@ -937,12 +953,11 @@ struct InterScratch {
 // as the equal sum_{t >= u} (q_t⊙dq_t - k_t⊙dk_intra_t) + sum_{s < u} k_s⊙dk_inter_s
 // + 2^b_last ⊙ rowsum(S_c ⊙ dS), both running sums in fp64. On entry dq and dk hold the intra parts.
 inline void inter_dqkg(int64_t L, int64_t K, int64_t V, float scale, const float* q, const float* k, const float* v,
-                       const Gates& g, const float* dout, const float* Sc, const float* dS, float* dq, float* dk,
+                       const Gates& g, const float* dout, const float* St, const float* dS, float* dq, float* dk,
                        float* dg, const InterScratch& s, const DecayRows& d = {}) {
-  transpose(K, V, Sc, V, s.st, K);
   transpose(K, V, dS, V, s.dst, K);
   // dq
-  gemm(L, K, V, dout, V, 1, s.st, K, s.tmp, K, false);
+  gemm(L, K, V, dout, V, 1, St, K, s.tmp, K, false);
   for (int64_t r = 0; r < L; ++r) {
     const float* e = d.from_start ? d.from_start + r * K : s.e + r * K;
     if (!d.from_start) exp2_rows(g, r, -1, s.e + r * K);
@@ -962,14 +977,12 @@ inline void inter_dqkg(int64_t L, int64_t K, int64_t V, float scale, const float
     }
   }
   if (dg) {
+    // rowsum(S_c ⊙ dS) from the transposed tiles: column sums of St ⊙ dS^T, into s.e's first row
+    float* rs = s.e;
+    std::memset(rs, 0, static_cast<size_t>(K) * 4);
+    for (int64_t vv = 0; vv < V; ++vv) fma_inplace(K, rs, St + vv * K, s.dst + vv * K);
     exp2_rows(g, L - 1, -1, s.base);
-    for (int64_t kk = 0; kk < K; ++kk) {
-      const float* a = Sc + kk * V;
-      const float* d = dS + kk * V;
-      vf acc = vzero();
-      for_vectors(V, [&](int64_t c, int lanes) { acc = vfma(vload_k(a + c, lanes), vload_k(d + c, lanes), acc); });
-      s.base[kk] *= vsum(acc);
-    }
+    mul_inplace(K, s.base, rs);
     double* __restrict acc = s.acc;
     const float* __restrict base = s.base;
     for (int64_t kk = 0; kk < K; ++kk) acc[kk] = 0.0;
@@ -1191,7 +1204,10 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
   // Pass 1: the chunk-start states of every head in the group.
   if (want_dqk || has(p.dv)) {
     if (nchunks > 0) {
-      for (int64_t j = 0; j < G; ++j) load_initial_state(p, n, h0 + j, 0, V, t.states + j * states_per_head);
+      for (int64_t j = 0; j < G; ++j) {  // kept transposed (V x K): see state_step_transposed
+        load_initial_state(p, n, h0 + j, 0, V, t.S);
+        transpose(K, V, t.S, V, t.states + j * states_per_head, K);
+      }
     }
     for (int64_t c = 0; c + 1 < nchunks; ++c) {
       const int64_t c0 = c * C, L = std::min(C, sp.length - c0), t0 = sp.start + c0;
@@ -1204,7 +1220,8 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
       for (int64_t j = 0; j < G; ++j) {
         float *b = t.b + j * ck, *blo = t.blo + j * ck, *st = t.states + j * states_per_head;
         cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
-        state_step(L, K, V, t.k + j * ck, Gates{b, blo, K}, t.v + j * cv, st + c * kv, st + (c + 1) * kv, t.kl, t.run);
+        state_step_transposed(L, K, V, t.k + j * ck, Gates{b, blo, K}, t.v + j * cv, st + c * kv, st + (c + 1) * kv, t.kl,
+                              t.run);
       }
     }
   }
@@ -1428,7 +1445,8 @@ inline void run_stage(const gla_problem& p, int64_t item, const Tiles& t) {
         copy_from_chunk_state(p, p.dh, first_chunk + c, h, t.dS);
         load_tile(p.dq_intra, sp.batch, t0, L, h, 0, K, t.dq, K);
         load_tile(p.dk_intra, sp.batch, t0, L, h, 0, K, t.dk, K);
-        inter_dqkg(L, K, V, scale, t.q, t.k, t.v, gates, t.dout, t.S, t.dS, t.dq, t.dk, has(p.dg) ? t.dg : nullptr,
+        transpose(K, V, t.S, V, t.inter.st, K);
+        inter_dqkg(L, K, V, scale, t.q, t.k, t.v, gates, t.dout, t.inter.st, t.dS, t.dq, t.dk, has(p.dg) ? t.dg : nullptr,
                    t.inter);
         if (has(p.dq)) store_tile(p.dq, sp.batch, t0, L, h, 0, K, t.dq, K);
         if (has(p.dk)) store_tile(p.dk, sp.batch, t0, L, h, 0, K, t.dk, K);
