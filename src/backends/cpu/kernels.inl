@@ -298,7 +298,7 @@ struct Seg {
 };
 
 template <int MR, int NV, bool Full>
-inline void gemm_tile(const Seg* seg, int nseg, int64_t i0, int64_t j0, float* c, int64_t ldc, int nlast,
+inline void gemm_tile(const Seg* seg, int nseg, int64_t last_d, int64_t i0, int64_t j0, float* c, int64_t ldc, int nlast,
                       bool accumulate, const float* row_scale) {
   vf acc[MR][NV];
   for (int i = 0; i < MR; ++i) {
@@ -320,7 +320,8 @@ inline void gemm_tile(const Seg* seg, int nseg, int64_t i0, int64_t j0, float* c
     const float* a = sg.a + i0 * sg.rsa;
     const float* b = sg.b + j0;
     const int64_t rsa = sg.rsa, csa = sg.csa, ldb = sg.ldb;
-    for (int64_t d = 0; d < sg.D; ++d) {
+    const int64_t D = sgi == nseg - 1 ? last_d : sg.D;
+    for (int64_t d = 0; d < D; ++d) {
       const float* brow = b + d * ldb;
       vf bv[NV];
       for (int j = 0; j < NV; ++j) bv[j] = (Full || j < NV - 1) ? vload(brow + j * W) : vload_n(brow + j * W, nlast);
@@ -343,31 +344,35 @@ inline void gemm_tile(const Seg* seg, int nseg, int64_t i0, int64_t j0, float* c
 }
 
 template <int MR, int NV>
-inline void gemm_tile_dispatch_full(bool full, const Seg* seg, int nseg, int64_t i0, int64_t j0, float* c,
-                                    int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
+inline void gemm_tile_dispatch_full(bool full, const Seg* seg, int nseg, int64_t last_d, int64_t i0, int64_t j0,
+                                    float* c, int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
   if (full) {
-    gemm_tile<MR, NV, true>(seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale);
+    gemm_tile<MR, NV, true>(seg, nseg, last_d, i0, j0, c, ldc, nlast, accumulate, row_scale);
   } else {
-    gemm_tile<MR, NV, false>(seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale);
+    gemm_tile<MR, NV, false>(seg, nseg, last_d, i0, j0, c, ldc, nlast, accumulate, row_scale);
   }
 }
 
 template <int MR>
-inline void gemm_tile_dispatch_vecs(int nv, bool full, const Seg* seg, int nseg, int64_t i0, int64_t j0, float* c,
-                                    int64_t ldc, int nlast, bool accumulate, const float* row_scale) {
+inline void gemm_tile_dispatch_vecs(int nv, bool full, const Seg* seg, int nseg, int64_t last_d, int64_t i0,
+                                    int64_t j0, float* c, int64_t ldc, int nlast, bool accumulate,
+                                    const float* row_scale) {
   static_assert(kTileVecs >= 1 && kTileVecs <= 4, "tile width");
   switch (nv) {
-    case 1: gemm_tile_dispatch_full<MR, 1>(full, seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
-    case 2: if constexpr (kTileVecs >= 2) gemm_tile_dispatch_full<MR, 2>(full, seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
-    case 3: if constexpr (kTileVecs >= 3) gemm_tile_dispatch_full<MR, 3>(full, seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
-    default: if constexpr (kTileVecs >= 4) gemm_tile_dispatch_full<MR, 4>(full, seg, nseg, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
+    case 1: gemm_tile_dispatch_full<MR, 1>(full, seg, nseg, last_d, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
+    case 2: if constexpr (kTileVecs >= 2) gemm_tile_dispatch_full<MR, 2>(full, seg, nseg, last_d, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
+    case 3: if constexpr (kTileVecs >= 3) gemm_tile_dispatch_full<MR, 3>(full, seg, nseg, last_d, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
+    default: if constexpr (kTileVecs >= 4) gemm_tile_dispatch_full<MR, 4>(full, seg, nseg, last_d, i0, j0, c, ldc, nlast, accumulate, row_scale); break;
   }
 }
 
 // C[M x N] (+)= sum over the segments of A_s[M x D_s] B_s[D_s x N]. With accumulate and row_scale
-// (M floats), C is first scaled by row: C = Diag(row_scale) C + ...
+// (M floats), C is first scaled by row: C = Diag(row_scale) C + ... With causal > 0 (a multiple of
+// kTileRows), rows of block r = i / causal use only the first min(D, (r + 1) causal) terms of the
+// last segment (A v with A lower block-triangular): every panel of B is then read by all row
+// tiles in turn while it is in L1, where one call per row block re-read it from L2.
 inline void gemm_segs(int64_t M, int64_t N, const Seg* seg, int nseg, float* c, int64_t ldc, bool accumulate,
-                      const float* row_scale = nullptr) {
+                      const float* row_scale = nullptr, int64_t causal = 0) {
   if (M <= 0 || N <= 0) return;
   int64_t Dsum = 0;
   for (int i = 0; i < nseg; ++i) Dsum += std::max<int64_t>(seg[i].D, 0);
@@ -391,15 +396,16 @@ inline void gemm_segs(int64_t M, int64_t N, const Seg* seg, int nseg, float* c, 
       const int mr = static_cast<int>(std::min<int64_t>(kTileRows, M - i0));
       float* ci = c + i0 * ldc + j0;
       const float* rs = row_scale ? row_scale + i0 : nullptr;
+      const int64_t dl = causal > 0 ? std::min(seg[nseg - 1].D, (i0 / causal + 1) * causal) : seg[nseg - 1].D;
       switch (mr) {
-        case 8: if constexpr (kTileRows >= 8) gemm_tile_dispatch_vecs<8>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
-        case 7: if constexpr (kTileRows >= 7) gemm_tile_dispatch_vecs<7>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
-        case 6: if constexpr (kTileRows >= 6) gemm_tile_dispatch_vecs<6>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
-        case 5: if constexpr (kTileRows >= 5) gemm_tile_dispatch_vecs<5>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
-        case 4: gemm_tile_dispatch_vecs<4>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
-        case 3: gemm_tile_dispatch_vecs<3>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
-        case 2: gemm_tile_dispatch_vecs<2>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
-        default: gemm_tile_dispatch_vecs<1>(nv, full, seg, nseg, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 8: if constexpr (kTileRows >= 8) gemm_tile_dispatch_vecs<8>(nv, full, seg, nseg, dl, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 7: if constexpr (kTileRows >= 7) gemm_tile_dispatch_vecs<7>(nv, full, seg, nseg, dl, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 6: if constexpr (kTileRows >= 6) gemm_tile_dispatch_vecs<6>(nv, full, seg, nseg, dl, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 5: if constexpr (kTileRows >= 5) gemm_tile_dispatch_vecs<5>(nv, full, seg, nseg, dl, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 4: gemm_tile_dispatch_vecs<4>(nv, full, seg, nseg, dl, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 3: gemm_tile_dispatch_vecs<3>(nv, full, seg, nseg, dl, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        case 2: gemm_tile_dispatch_vecs<2>(nv, full, seg, nseg, dl, i0, j0, ci, ldc, nlast, accumulate, rs); break;
+        default: gemm_tile_dispatch_vecs<1>(nv, full, seg, nseg, dl, i0, j0, ci, ldc, nlast, accumulate, rs); break;
       }
     }
   }
@@ -656,6 +662,67 @@ inline void diagonal_dqk_pivoted(int64_t n, int64_t K, int64_t C, const float* q
   }
 }
 
+// Rows scaled to a farther pivot from a diagonal block's factors (diagonal_block_pivoted), with
+// one exp2 row per factor level instead of one per row: 2^(x - y) = 2^(x - m) 2^(m - y), both
+// exponents <= 0 for y <= m <= x.
+// Key rows: out[u] = k[u] 2^(b_target - b_(rb + u)), u < n, target >= rb + n - 1 (the next
+// sub-chunk's pivot, or the chunk's last row). Each key goes through the largest stored pivot m
+// above it (8-level, 4-level, or the last valid row of its 4 x 4 triangle), then 2^(b_target - b_m),
+// computed once per distinct m (m never decreases with u). x: K scratch.
+inline void derive_key_rows(int64_t n, int64_t K, const Gates& g, int64_t rb, const float* fac, const float* k,
+                            int64_t target, float* out, float* x) {
+  const float* wp = fac + kDiagPairs * K;
+  int64_t have = -1;
+  for (int64_t u = 0; u < n; ++u) {
+    int64_t m = u;
+    const float* f = nullptr;
+    const int64_t h = u & ~(kHalf - 1), q0 = u & ~(kQuarter - 1);
+    const int64_t tmax = std::min(q0 + kQuarter, n) - 1;
+    if (n > kHalf && u < kHalf) {
+      m = kHalf, f = fac + (kHalf + u) * K;
+    } else if (u - h < kQuarter && n > h + kQuarter) {
+      m = h + kQuarter, f = fac + (2 * kHalf + h + kQuarter + (u - h)) * K;
+    } else if (tmax > u) {
+      const int64_t tl = tmax - q0;
+      m = tmax, f = wp + ((q0 / kQuarter) * kQuarterPairs + tl * (tl - 1) / 2 + (u - q0)) * K;
+    }
+    if (m != have) exp2_rows(g, target, rb + m, x), have = m;
+    if (f) {
+      scaled_rows(1, K, k + u * K, f, 1.0f, out + u * K);
+      mul_inplace(K, out + u * K, x);
+    } else {
+      scaled_rows(1, K, k + u * K, x, 1.0f, out + u * K);
+    }
+  }
+}
+// Query rows of a block scaled to its first row: out[t] = q[t] 2^(b_(rb + t) - b_rb) scale, t < n.
+// Row t goes through the stored pivot m below it (row 0 for t < 4 via the triangle's pairs, the
+// 4-level pivot 4, the 8-level pivot 8), then 2^(b_m - b_rb). x: K scratch.
+inline void derive_query_rows(int64_t n, int64_t K, const Gates& g, int64_t rb, const float* fac, const float* q,
+                              float scale, float* out, float* x) {
+  const float* wp = fac + kDiagPairs * K;
+  int64_t have = 0;  // m = 0: factor 1
+  for (int64_t t = 0; t < n; ++t) {
+    int64_t m = 0;
+    const float* f = nullptr;
+    if (t >= kHalf) {
+      m = kHalf, f = fac + (t - kHalf) * K;
+    } else if (t >= kQuarter) {
+      m = kQuarter, f = fac + (2 * kHalf + (t - kQuarter)) * K;
+    } else if (t > 0) {
+      f = wp + (t * (t - 1) / 2) * K;
+    }
+    if (m != have) exp2_rows(g, rb + m, rb, x), have = m;
+    float* o = out + t * K;
+    if (!f) {
+      scale_row(K, q + t * K, scale, o);
+    } else {
+      scaled_rows(1, K, q + t * K, f, scale, o);
+      if (m > 0) mul_inplace(K, o, x);
+    }
+  }
+}
+
 // A[t][s] = scale * sum_k q_tk k_sk 2^(b_tk - b_sk) for s <= t < L; 0 for t < s < zero_to.
 // Off-diagonal sub-chunk blocks: one product per query sub-chunk i, pivoted at its first row p_i:
 // (q_t 2^(b_t - p_i)) . (k_s 2^(p_i - b_s)); the keys' factor for pivot i is the one for pivot i-1
@@ -669,8 +736,16 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
   const int64_t nsub = (L + kSub - 1) / kSub;
   for (int64_t i = 0; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
+    float* fi = wd ? wd + i * kDiagRows * K : nullptr;
+    // Diagonal block first: with `wd`, its factors serve the off-diagonal pivots too.
+    {
+      GLA_PROF(5, "A diag");
+      diagonal_block_pivoted(ni, K, C, scale, q + r0 * K, k + r0 * K, g, r0, A + r0 * C + r0, s.qp, s.krow, fi);
+    }
+    GLA_PROF(4, "A offdiag");
+    float* qp = qkeep ? qkeep + r0 * K : s.qp;
+    if (fi && (qkeep || i > 0)) derive_query_rows(ni, K, g, r0, fi, q + r0 * K, scale, qp, s.fac);
     if (i > 0) {
-      GLA_PROF(4, "A offdiag");
       const int64_t old = r0 - kSub;  // key columns already in kpt (pivot i - 1)
       if (old > 0) {
         exp2_rows(g, r0, old, s.fac);
@@ -680,17 +755,14 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
           for_vectors(old, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
         }
       }
-      for (int64_t r = 0; r < kSub; ++r) scale_exp2_rows(g, k + (old + r) * K, r0, old + r, 1.0f, s.krow + r * K);
+      if (fi) {
+        derive_key_rows(kSub, K, g, old, fi - kDiagRows * K, k + old * K, r0, s.krow, s.fac);
+      } else {
+        for (int64_t r = 0; r < kSub; ++r) scale_exp2_rows(g, k + (old + r) * K, r0, old + r, 1.0f, s.krow + r * K);
+        for (int64_t t = 0; t < ni; ++t) scale_exp2_rows(g, q + (r0 + t) * K, r0 + t, r0, scale, qp + t * K);
+      }
       transpose(kSub, K, s.krow, K, s.kpt + old, C);
-      float* qp = qkeep ? qkeep + r0 * K : s.qp;
-      for (int64_t t = 0; t < ni; ++t) scale_exp2_rows(g, q + (r0 + t) * K, r0 + t, r0, scale, qp + t * K);
       gemm(ni, r0, K, qp, K, 1, s.kpt, C, A + r0 * C, C, false);
-    }
-    // Diagonal block.
-    {
-      GLA_PROF(5, "A diag");
-      diagonal_block_pivoted(ni, K, C, scale, q + r0 * K, k + r0 * K, g, r0, A + r0 * C + r0, s.qp, s.krow,
-                             wd ? wd + i * kDiagRows * K : nullptr);
     }
     for (int64_t t = 0; t < ni; ++t) {
       for (int64_t u = r0 + t + 1; u < zero_to; ++u) A[(r0 + t) * C + u] = 0.0f;
@@ -705,25 +777,22 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
 // 128 row exponentials for o and the state into multiplies. qe: L x K, fac: K scratch.
 inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float scale, const float* q, const float* k,
                           const Gates& g, const float* v, int64_t ldv, float* S, int64_t lds, float* o, float* A,
-                          const IntraScratch& s, float* qe, float* fac) {
+                          const IntraScratch& s, float* qe, float* fac, float* dfac) {
   const int64_t nsub = (L + kSub - 1) / kSub;
-  intra_attention(L, K, C, scale, q, k, g, A, std::min(C, nsub * kSub), nullptr, s, qe);
+  intra_attention(L, K, C, scale, q, k, g, A, std::min(C, nsub * kSub), dfac, s, qe);
   {
   GLA_PROF(7, "F qe scale");
-  for (int64_t t = 0; t < std::min(kSub, L); ++t) scale_exp2_rows(g, q + t * K, t, -1, scale, qe + t * K);
-  for (int64_t i = 1; i < nsub; ++i) {
+  for (int64_t i = 0; i < nsub; ++i) {
     const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
     exp2_rows(g, r0, -1, fac);
     for (int64_t t = 0; t < ni; ++t) mul_inplace(K, qe + (r0 + t) * K, fac);
   }
   }
-  // o = (scale q ⊙ 2^b) S + A v, one product per sub-chunk of rows (o stored once).
+  // o = (scale q ⊙ 2^b) S + A v in one product, A v causal by sub-chunk (o stored once).
+  static_assert(kSub % kTileRows == 0, "row tiles within sub-chunks");
   {GLA_PROF(8, "F o");
-  for (int64_t i = 0; i < nsub; ++i) {
-    const int64_t r0 = i * kSub, ni = std::min(kSub, L - r0);
-    const Seg seg[2] = {{K, qe + r0 * K, K, 1, S, lds}, {r0 + ni, A + r0 * C, C, 1, v, ldv}};
-    gemm_segs(ni, bv, seg, 2, o + r0 * bv, bv, false);
-  }
+  const Seg seg[2] = {{K, qe, K, 1, S, lds}, {L, A, C, 1, v, ldv}};
+  gemm_segs(L, bv, seg, 2, o, bv, false, nullptr, kSub);
   }
   // state: kpt becomes (k ⊙ 2^(b_last - b))^T
   const int64_t last0 = (nsub - 1) * kSub;
@@ -736,7 +805,7 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
       for_vectors(last0, [&](int64_t c, int lanes) { vstore_k(row + c, vmul(vload_k(row + c, lanes), f), lanes); });
     }
   }
-  for (int64_t r = last0; r < L; ++r) scale_exp2_rows(g, k + r * K, L - 1, r, 1.0f, s.krow + (r - last0) * K);
+  derive_key_rows(L - last0, K, g, last0, dfac + (nsub - 1) * kDiagRows * K, k + last0 * K, L - 1, s.krow, s.fac);
   transpose(L - last0, K, s.krow, K, s.kpt + last0, C);
   exp2_rows(g, L - 1, -1, fac);
   }
@@ -1172,7 +1241,7 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
       {GLA_PROF(1, "F cumsum");
       cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);}
       const Gates gates{b, blo, K};
-      forward_chunk(L, K, bv, C, scale, q, k, gates, v, ldv, S, lds, o, t.A, t.intra, t.kl, t.run);
+      forward_chunk(L, K, bv, C, scale, q, k, gates, v, ldv, S, lds, o, t.A, t.intra, t.kl, t.run, t.wd);
     }
     GLA_PROF(2, "F store");
     store_tiles(p.o, sp.batch, t0, L, h0, G, v0, bv, t.o, cv, bv);
