@@ -215,10 +215,11 @@ inline void load_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t L
   }
 }
 inline void store_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t L, int64_t h0, int64_t G, int64_t d0,
-                        int64_t cols, const float* src, int64_t tile, int64_t ld, bool stream = true) {
+                        int64_t cols, const float* src, int64_t tile, int64_t ld) {
 #ifdef GLA_CPU_HAVE_STREAM_STORE
-  // fp32 rows go out with streaming stores (2-4% on B1 T4096 H16 D128, forward and backward).
-  if (stream && x.dtype == GLA_DTYPE_F32 && x.rank == 4 && x.strides[3] == 1 && cols >= 32) {
+  // fp32 rows go out with streaming stores (2-4% on B1 T4096 H16 D128, forward and backward;
+  // plain stores in the backward measured 2-7% slower again on 2026-11-30).
+  if (x.dtype == GLA_DTYPE_F32 && x.rank == 4 && x.strides[3] == 1 && cols >= 32) {
     for (int64_t r = 0; r < L; ++r) {
       for (int64_t j = 0; j < G; ++j) {
         stream_row(static_cast<float*>(x.data) + element_offset(x, batch, t0 + r, h0 + j, d0), src + j * tile + r * ld, cols);
@@ -503,8 +504,9 @@ struct IntraScratch {
 //   the four 4 x 4 triangles left: their 24 pairs u < t element-wise (a K-vector of exp2 each), the
 //   diagonal u = t without exp2 (its weight 2^0 is 1).
 // 53 exp2 rows per block instead of the 136 (element-wise) or 88 (one pivot level) before. The
-// backward keeps the factors (kDiagRows rows of K per block, layout below) for dq and dk, which go
-// through the same pivots: dq_t += 2^(b_t - p) ⊙ sum_u dA[t][u] (k_u 2^(p - b_u)), and
+// whole operations keep the factors (kDiagRows rows of K per block, layout below): the
+// off-diagonal pivots are derived from them (derive_key_rows, derive_query_rows), and the backward's
+// dq and dk go through the same pivots: dq_t += 2^(b_t - p) ⊙ sum_u dA[t][u] (k_u 2^(p - b_u)),
 // dk_u += 2^(p - b_u) ⊙ sum_t dA[t][u] (q_t 2^(b_t - p)).
 inline constexpr int64_t kHalf = kSub / 2, kQuarter = kSub / 4;
 // Factor rows of one block: [0, 8) 2^(b_t - b_8), t = 8..15; [8, 16) 2^(b_8 - b_u), u = 0..7;
@@ -726,11 +728,12 @@ inline void derive_query_rows(int64_t n, int64_t K, const Gates& g, int64_t rb, 
 // A[t][s] = scale * sum_k q_tk k_sk 2^(b_tk - b_sk) for s <= t < L; 0 for t < s < zero_to.
 // Off-diagonal sub-chunk blocks: one product per query sub-chunk i, pivoted at its first row p_i:
 // (q_t 2^(b_t - p_i)) . (k_s 2^(p_i - b_s)); the keys' factor for pivot i is the one for pivot i-1
-// times 2^(p_i - p_(i-1)), so each key row is exponentiated once. Diagonal blocks by
-// diagonal_block_pivoted; `wd` (optional, [nsub][kDiagRows][K]) receives their factors for the
-// backward.
-// `qkeep` (optional, L x K) receives the pivot-scaled query rows of sub-chunks >= 1 (see
-// forward_chunk).
+// times 2^(p_i - p_(i-1)). Diagonal blocks by diagonal_block_pivoted, each before the
+// off-diagonal product of its rows. With `wd` ([nsub][kDiagRows][K], kept for the caller) the
+// pivot-scaled key rows of sub-chunk i - 1 and query rows of sub-chunk i come from the diagonal
+// blocks' factors (one exp2 row per level instead of one per row); without it (the stage unit)
+// every row is exponentiated. `qkeep` (optional, L x K, needs `wd`) receives the pivot-scaled query
+// rows of every sub-chunk (see forward_chunk).
 inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const float* q, const float* k, const Gates& g,
                             float* A, int64_t zero_to, float* wd, const IntraScratch& s, float* qkeep = nullptr) {
   const int64_t nsub = (L + kSub - 1) / kSub;
@@ -771,10 +774,10 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
 }
 
 // The whole forward of one chunk: A, o and the state update, sharing exponentials between them.
-// Query rows of sub-chunk i >= 1 are already q_t 2^(b_t - p_i) scale from A's pivot, so
-// q_t 2^b_t scale is that times 2^(p_i) (<= 0); keys s < p_last are in kpt as k_s 2^(p_last - b_s),
-// so k_s 2^(b_last - b_s) is that times 2^(b_last - p_last) (<= 0). That turns 96 of the chunk's
-// 128 row exponentials for o and the state into multiplies. qe: L x K, fac: K scratch.
+// Query rows of sub-chunk i are q_t 2^(b_t - p_i) scale from A's pivot, so q_t 2^b_t scale is
+// that times 2^(p_i) (<= 0); keys s < p_last are in kpt as k_s 2^(p_last - b_s), so
+// k_s 2^(b_last - b_s) is that times 2^(b_last - p_last) (<= 0); the last sub-chunk's keys come
+// from its diagonal block's factors. qe: L x K, fac: K scratch, dfac: nsub x kDiagRows x K.
 inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float scale, const float* q, const float* k,
                           const Gates& g, const float* v, int64_t ldv, float* S, int64_t lds, float* o, float* A,
                           const IntraScratch& s, float* qe, float* fac, float* dfac) {
@@ -1251,11 +1254,6 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
   }
 }
 
-#ifdef GLA_EXP_NOSTREAM_BWD
-inline constexpr bool kStreamBwd = false;
-#else
-inline constexpr bool kStreamBwd = true;
-#endif
 // Whole backward: item = (sequence, head). A forward pass recomputes the chunk-start states, then a
 // reverse pass carries dS and finishes each chunk's dq, dk, dv, dg while its tiles are in cache.
 inline void run_backward(const gla_problem& p, int64_t item, int64_t group, const Tiles& t) {
@@ -1358,10 +1356,10 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
       dstate_step(L, K, V, scale, q, gates, dout, dS, t.kl, t.run, decay);
     }
     GLA_PROF(23, "B2 stores");
-    if (has(p.dv)) store_tiles(p.dv, sp.batch, t0, L, h0, G, 0, V, t.dv, cv, V, kStreamBwd);
-    if (has(p.dq)) store_tiles(p.dq, sp.batch, t0, L, h0, G, 0, K, t.dq, ck, K, kStreamBwd);
-    if (has(p.dk)) store_tiles(p.dk, sp.batch, t0, L, h0, G, 0, K, t.dk, ck, K, kStreamBwd);
-    if (has(p.dg)) store_tiles(p.dg, sp.batch, t0, L, h0, G, 0, gk, t.dg, ck, K, kStreamBwd);
+    if (has(p.dv)) store_tiles(p.dv, sp.batch, t0, L, h0, G, 0, V, t.dv, cv, V);
+    if (has(p.dq)) store_tiles(p.dq, sp.batch, t0, L, h0, G, 0, K, t.dq, ck, K);
+    if (has(p.dk)) store_tiles(p.dk, sp.batch, t0, L, h0, G, 0, K, t.dk, ck, K);
+    if (has(p.dg)) store_tiles(p.dg, sp.batch, t0, L, h0, G, 0, gk, t.dg, ck, K);
   }
   if (has(p.dh0)) {
     for (int64_t j = 0; j < G; ++j) store_state(p, p.dh0, n, h0 + j, 0, V, t.dS + j * kv);
