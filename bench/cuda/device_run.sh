@@ -44,6 +44,8 @@ for step in "$@"; do
       ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$OUT/bench_mma_diag.log"
       unset GLA_CUDA_KERNEL ;;
     first) ./build-cuda/harness first 2>&1 | tee "$OUT/first.log" ;;
+    handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
+      for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$OUT/handoff.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -10,8 +10,12 @@
 //   mode 1: READY by bar.sync on both sides (the kernel's GLA_CUDA_SKIP=128)
 //   mode 2: mode 0 without FREE: a real race (slot rewritten while it may still be read), which
 //           racecheck must report
+//   mode 3: READY and FREE as mbarriers (arrive by every thread, try_wait.parity), the candidate
+//           replacement if racecheck tracks mbarriers
+//   mode 4: mode 3 without the FREE wait: the racy control for mode 3
 // Build: nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o handoff bench/cuda/handoff_racecheck.cu
 // Run:   compute-sanitizer --tool racecheck ./handoff MODE   (prints the checksum; exit 1 if wrong)
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
@@ -25,10 +29,68 @@ constexpr int kSlotElems = 2048, kIters = 16;
 __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 
+__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(saddr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {
+  asm volatile(
+      "{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1; @!done bra WAIT_%=; }" ::"r"(saddr(b)),
+      "r"(parity)
+      : "memory");
+}
+
+// Modes 3 and 4: the same protocol on mbarriers. Phase k of READY[s] / FREE[s] belongs to iteration
+// 2k + s, so a waiter for iteration i waits for parity (i / 2) & 1.
+__device__ void handoff_mbarrier(int mode, float* out, float (*slot)[kSlotElems], float* scratch, uint64_t* bars) {
+  uint64_t* ready = bars;      // [2]
+  uint64_t* freed = bars + 2;  // [2]
+  const int tid = threadIdx.x;
+  if (tid < kProducers) {
+    for (int i = 0; i < kIters; ++i) {
+      const int s = i & 1;
+      if (i >= 2 && mode == 3) mbar_wait(&freed[s], ((i - 2) / 2) & 1);
+      for (int e = tid; e < kSlotElems; e += kProducers) slot[s][e] = float(i * kSlotElems + e);
+      scratch[tid] = float(i);
+      bar_sync(1, kProducers);
+      float other = scratch[(tid + 1) % kProducers];
+      bar_sync(1, kProducers);
+      for (int e = tid; e < kSlotElems; e += kProducers) slot[s][e] = slot[s][e] * 2.f + (other - float(i));
+      mbar_arrive(&ready[s]);
+    }
+  } else {
+    const int c = tid - kProducers;
+    float sum = 0.f;
+    for (int i = 0; i < kIters; ++i) {
+      const int s = i & 1;
+      mbar_wait(&ready[s], (i / 2) & 1);
+      for (int e = c; e < kSlotElems; e += kConsumers) sum += slot[s][(e * 7) % kSlotElems];
+      mbar_arrive(&freed[s]);
+    }
+    out[c] = sum;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) handoff(int mode, float* out) {
   __shared__ float slot[2][kSlotElems];
   __shared__ float scratch[kProducers];
+  __shared__ uint64_t bars[4];
   const int tid = threadIdx.x;
+  if (mode >= 3) {
+    if (tid == 0) {
+      mbar_init(&bars[0], kProducers);
+      mbar_init(&bars[1], kProducers);
+      mbar_init(&bars[2], kConsumers);
+      mbar_init(&bars[3], kConsumers);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    handoff_mbarrier(mode, out, slot, scratch, bars);
+    return;
+  }
   if (tid < kProducers) {
     for (int i = 0; i < kIters; ++i) {
       const int s = i & 1;
