@@ -6,46 +6,53 @@
 #   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude -o build-cuda/harness \
 #     bench/cuda/harness.cu src/backends/cuda/forward.cu src/backends/cuda/chunk_forward_d64.cu \
 #     src/backends/cuda/chunk_forward_d128.cu
-# Next validation call (one call, about 4 minutes):
-#   bash bench/cuda/device_run.sh check variant gtest sanitize
+#   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o build-cuda/handoff bench/cuda/handoff_racecheck.cu
+# A device call returns at most 8 files from $OUT: the logs go to $OUT/logs/ and come back as one
+# $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/
+# and carry .devtmp to skip fla's ~80 s autotune per shape next time).
+# Next call (docs/cuda_backend.md, "Status and what is next"):
+#   bash bench/cuda/device_run.sh handoff check bench ncu
 set -o pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+LOG="$OUT/logs"
+mkdir -p "$LOG"
+trap 'tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOG"' EXIT
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOG/gpu.txt"
 for step in "$@"; do
   case "$step" in
-    check) ./build-cuda/harness check 2>&1 | tee "$OUT/check.log" || { echo "CHECK FAILED: stopping"; exit 1; } ;;
-    bench) ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$OUT/bench.log" ;;
-    skips) for m in 1 2 4 8 16 3 31; do echo "skip $m"; GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$OUT/skips.log" ;;
-    ncu) ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis -k regex:chunk_forward -c 1 ./build-cuda/harness bench 8x4096x16x128 2>&1 | tee "$OUT/ncu.log" | grep -v "^==PROF" | tail -120 ;;
+    check) ./build-cuda/harness check 2>&1 | tee "$LOG/check.log" || { echo "CHECK FAILED: stopping"; exit 1; } ;;
+    bench) ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$LOG/bench.log" ;;
+    skips) for m in 1 2 4 8 16 3 31; do echo "skip $m"; GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips.log" ;;
+    ncu) ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters -k regex:chunk_forward -c 1 ./build-cuda/harness bench 8x4096x16x128 2>&1 | tee "$LOG/ncu.log" | grep -v "^==PROF" | tail -60
+      ncu --clock-control none --set full --import-source no -k regex:chunk_forward_ws -c 1 -o "$LOG/ws_profile" ./build-cuda/harness bench 8x4096x16x128 > /dev/null 2>&1; ls -la "$LOG"/ws_profile* ;;
     sanitize) export GLA_CHECK_SMALL=1
-      timeout 240 compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/memcheck.log"
+      timeout 240 compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$LOG/memcheck.log"
       # racecheck does not model bar.arrive's release: the warp-specialised kernel runs its READY
       # hand-off as bar.sync here (GLA_CUDA_SKIP=128; chunk_forward_ws_kernel.cuh says why).
-      GLA_CUDA_SKIP=128 timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$OUT/racecheck.log"
-      GLA_CUDA_KERNEL=mma-diag timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -3 | tee "$OUT/racecheck_mma_diag.log"
+      GLA_CUDA_SKIP=128 timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$LOG/racecheck.log"
+      GLA_CUDA_KERNEL=mma-diag timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -3 | tee "$LOG/racecheck_mma_diag.log"
       unset GLA_CHECK_SMALL ;;
-    gtest) LD_LIBRARY_PATH=build-cuda ./build-cuda/tests/cpp/gla_tests --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/gtest.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |FAILED|Failure|error" | head -40 ;;
+    gtest) LD_LIBRARY_PATH=build-cuda ./build-cuda/tests/cpp/gla_tests --gtest_filter='*Cuda*' 2>&1 | tee "$LOG/gtest.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |FAILED|Failure|error" | head -40 ;;
     fla) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
       # fla caches its autotune choices (FLA_CACHE_RESULTS=1) and Triton its binaries in TRITON_CACHE_DIR;
       # the cache comes back as $OUT/triton_cache.tgz: keep it in .devtmp/ and carry it to skip ~80 s per shape.
       export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
       ls .devtmp/triton_cache.tgz.part* >/dev/null 2>&1 && cat .devtmp/triton_cache.tgz.part* | tar -xzf - -C $TRITON_CACHE_DIR
-      PYTHONUNBUFFERED=1 timeout ${FLA_TIMEOUT:-540} python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so 2>&1 | tee "$OUT/fla.log" | grep -v Warning
+      PYTHONUNBUFFERED=1 timeout ${FLA_TIMEOUT:-540} python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so 2>&1 | tee "$LOG/fla.log" | grep -v Warning
       tar -czf - -C $TRITON_CACHE_DIR . | split -b 15m - "$OUT/triton_cache.tgz.part"; ls -la "$OUT"/triton_cache.tgz.part*
-      for i in 1 2 3; do python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first; done 2>&1 | tee "$OUT/first_py.log" ;;
-    pytest) GLA_LIBRARY=build-cuda/libgla.so PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest tests/python -m cuda -rs -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15 ;;
+      for i in 1 2 3; do python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first; done 2>&1 | tee "$LOG/first_py.log" ;;
+    pytest) GLA_LIBRARY=build-cuda/libgla.so PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest tests/python -m cuda -rs -q -p no:cacheprovider 2>&1 | tee "$LOG/pytest_cuda.log" | tail -15 ;;
     final) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
-      python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first 2>&1 | tee "$OUT/first_py.log"
-      PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --fla-cases 8x4096x16x128 2>&1 | tee "$OUT/fla.log" | grep -v Warning ;;
-    ours) PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --no-fla 2>&1 | tee "$OUT/ours.log" ;;
+      python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first 2>&1 | tee "$LOG/first_py.log"
+      PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --fla-cases 8x4096x16x128 2>&1 | tee "$LOG/fla.log" | grep -v Warning ;;
+    ours) PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --no-fla 2>&1 | tee "$LOG/ours.log" ;;
     variant) export GLA_CUDA_KERNEL=mma-diag
-      ./build-cuda/harness check 2>&1 | tee "$OUT/check_mma_diag.log" | grep -v "^ok "
-      ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$OUT/bench_mma_diag.log"
+      ./build-cuda/harness check 2>&1 | tee "$LOG/check_mma_diag.log" | grep -v "^ok "
+      ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$LOG/bench_mma_diag.log"
       unset GLA_CUDA_KERNEL ;;
-    first) ./build-cuda/harness first 2>&1 | tee "$OUT/first.log" ;;
+    first) ./build-cuda/harness first 2>&1 | tee "$LOG/first.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
-      for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$OUT/handoff.log" ;;
+      for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
