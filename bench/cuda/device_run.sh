@@ -7,6 +7,7 @@
 #     bench/cuda/harness.cu src/backends/cuda/forward.cu src/backends/cuda/chunk_forward_d64.cu \
 #     src/backends/cuda/chunk_forward_d128.cu
 #   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o build-cuda/handoff bench/cuda/handoff_racecheck.cu
+#   (the harness again with -DGLA_WS_MBARRIER=1 -o build-cuda/harness_mbar: mbarrier hand-off, for racecheck)
 # A device call returns at most 8 files from $OUT: the logs go to $OUT/logs/ and come back as one
 # $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/
 # and carry .devtmp to skip fla's ~80 s autotune per shape next time).
@@ -52,7 +53,13 @@ for step in "$@"; do
       unset GLA_CUDA_KERNEL ;;
     first) ./build-cuda/harness first 2>&1 | tee "$LOG/first.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
-      for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log" ;;
+      for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log"
+      # the kernel with the mbarrier hand-off: correctness, speed, racecheck
+      if [ -x build-cuda/harness_mbar ]; then
+        ./build-cuda/harness_mbar check 2>&1 | tee "$LOG/check_mbar.log" | tail -1
+        ./build-cuda/harness_mbar bench 8x4096x16x128 4x8192x32x64 2>&1 | tee "$LOG/bench_mbar.log"
+        GLA_CHECK_SMALL=1 timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness_mbar check 2>&1 | tail -2 | tee "$LOG/racecheck_mbar.log"
+      fi ;;
     *) echo "unknown step $step" ;;
   esac
 done
