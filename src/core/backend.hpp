@@ -60,6 +60,10 @@ class Backend {
   // Scratch bytes `run` wants for a whole-operation unit; the dispatcher passes it in
   // problem.workspace (caller's buffer when large enough, else from allocate()).
   virtual size_t workspace_size(const gla_problem& /*problem*/) const { return 0; }
+  // How this backend would run an accepted whole-operation problem (kernel family, tiling), one
+  // line for explain(); empty if there is nothing more to say than its name. Metadata only (the
+  // sequence offsets are loaded).
+  virtual std::string plan_note(const gla_problem& /*problem*/) const { return {}; }
 
   // Memory on the problem's device for workspaces and stage-pipeline intermediates. The default
   // serves host memory; device backends override.

@@ -385,6 +385,15 @@ std::string explain(const PreparedProblem& prepared, const DispatchControl& cont
   std::string failure;
   Plan plan = plan_with_reasons(prepared, control, failure);
   out << "decision: " << (plan.pipeline || plan.whole ? plan.summary() : "none — " + failure) << "\n";
+  if (plan.whole && !plan.pipeline) {
+    if (prepared.offsets_need_copy) {
+      out << "plan in '" << plan.whole->name()
+          << "': depends on the sequence lengths, which are in device memory only (pass cu_seqlens_host to see it)\n";
+    } else {
+      const std::string note = plan.whole->plan_note(problem_for_unit(prepared, prepared.problem.unit));
+      if (!note.empty()) out << "plan in '" << plan.whole->name() << "': " << note << "\n";
+    }
+  }
   return out.str();
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "test_support.hpp"
@@ -272,6 +273,30 @@ TEST(CudaForward, DeclinesBackwardAndStridedLastDim) {
   gla_options_init(&opt);
   ASSERT_EQ(gla_explain(&a, nullptr, &opt, &text), GLA_STATUS_OK) << gla_last_error();
   EXPECT_NE(std::string(text).find("contiguous last dimension"), std::string::npos) << text;
+}
+
+TEST(CudaForward, ExplainNamesTheKernel) {
+  SKIP_WITHOUT_CUDA();
+  const char* text = nullptr;
+  for (const auto& [dtype, K, want] :
+       {std::tuple{GLA_DTYPE_BF16, int64_t(128), "warp-specialised chunk kernel"},
+        std::tuple{GLA_DTYPE_F32, int64_t(64), "recurrent kernel"}}) {
+    Case c = base_case(dtype, 1, 64, 1, K);
+    const Inputs in = make_inputs(c);
+    DeviceTensor q(in.q), k(in.k), v(in.v), g(in.g), o(HostTensor(c.dtype, {1, 64, 1, K}), false);
+    gla_chunk_forward_args a{};
+    a.q = &q.t;
+    a.k = &k.t;
+    a.v = &v.t;
+    a.g = &g.t;
+    a.o = &o.t;
+    gla_options opt;
+    gla_options_init(&opt);
+    ASSERT_EQ(gla_explain(&a, nullptr, &opt, &text), GLA_STATUS_OK) << gla_last_error();
+    const std::string s(text);
+    EXPECT_NE(s.find("decision: cuda (whole operation)"), std::string::npos) << s;
+    EXPECT_NE(s.find(std::string("plan in 'cuda': ") + want), std::string::npos) << s;
+  }
 }
 
 #else

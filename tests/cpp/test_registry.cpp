@@ -150,6 +150,23 @@ TEST_F(Registry, HigherPriorityBackendRunsWhenItAccepts) {
   EXPECT_NE(explain_forward(in).find("decision: picky (whole operation)"), std::string::npos);
 }
 
+TEST_F(Registry, ExplainSaysHowTheChosenBackendRunsIt) {
+  Inputs in = inputs(16);
+  const std::string text = explain_forward(in, "reference");
+  EXPECT_NE(text.find("decision: reference (whole operation)"), std::string::npos) << text;
+  // B=2 sequences x H=2 heads.
+  EXPECT_NE(text.find("plan in 'reference': fp64 token loop (SPEC.md recurrence), one task per (sequence, head): 4 tasks"),
+            std::string::npos)
+      << text;
+  // A callback backend has nothing to add: no plan line.
+  auto d = describe("picky", 1, 1ull << GLA_UNIT_CHUNK_FWD, picky_run);
+  d.verify = picky_verify;
+  ASSERT_EQ(gla_register_backend(&d), GLA_STATUS_OK);
+  const std::string picky = explain_forward(in);
+  EXPECT_NE(picky.find("decision: picky (whole operation)"), std::string::npos) << picky;
+  EXPECT_EQ(picky.find("plan in"), std::string::npos) << picky;
+}
+
 TEST_F(Registry, DeclineWithReasonFallsThrough) {
   auto d = describe("picky", 1, 1ull << GLA_UNIT_CHUNK_FWD, picky_run);
   d.verify = picky_verify;

@@ -239,6 +239,27 @@ class CudaBackend final : public Backend {
     return cached_plan(f, p).workspace_bytes;
   }
 
+  std::string plan_note(const gla_problem& p) const override {
+    const cuda::ForwardParams f = make_params(p);
+    const cuda::ForwardPlan plan = cached_plan(f, p);
+    if (!plan.use_chunk_kernel) {
+      return "recurrent kernel (token loop in IEEE fp32 FMA: fp32 inputs, or K > 128)";
+    }
+    std::string s = plan.kernel == 2   ? "warp-specialised chunk kernel (prep and state warp groups, tensor cores)"
+                    : plan.kernel == 1 ? "chunk kernel with tensor-core diagonal blocks"
+                                       : "chunk kernel with element-wise diagonal blocks";
+    s += ", K padded to " + std::to_string(plan.head_dim_k) + ", " + std::to_string(plan.value_tiles) +
+         " value tile(s) of " + std::to_string(plan.value_tile);
+    if (plan.max_segments > 1) {
+      s += ", sequences split into segments of " + std::to_string(plan.segment_chunks) +
+           " chunks (up to " + std::to_string(plan.max_segments) + "; two passes, " +
+           std::to_string(plan.workspace_bytes) + " workspace bytes)";
+    } else {
+      s += ", one CTA walks each whole sequence";
+    }
+    return s;
+  }
+
   void run(const gla_problem& p) override {
     DeviceGuard guard(p.device_index);
     const cuda::ForwardParams f = make_params(p);

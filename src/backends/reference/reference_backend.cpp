@@ -172,6 +172,10 @@ class ReferenceBackend final : public Backend {
     return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit_is_stage(unit);
   }
   Verdict verify(const gla_problem&) const override { return Verdict::yes(); }
+  std::string plan_note(const gla_problem& p) const override {
+    return std::string("fp64 token loop (SPEC.md recurrence), one task per (sequence, head): ") +
+           std::to_string(p.N * p.H) + " tasks";
+  }
   void run(const gla_problem& p) override {
     if (p.unit == GLA_UNIT_CHUNK_FWD) {
       parallel_for(p.N * p.H, [&](int64_t item) { forward_head(p, item / p.H, item % p.H); });
