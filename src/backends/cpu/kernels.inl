@@ -249,6 +249,42 @@ inline void cumsum_gate_rows(bool per_head, int64_t L, int64_t K, float* b, floa
     }
     return;
   }
+#if defined(__AVX2__) || defined(__AVX512F__)
+  // Per-key gate, vector ISAs: the same sum in double-float arithmetic (an unevaluated pair of
+  // floats, ~48 significant bits: the fp32 differences b_t - b_s the kernels take come out the
+  // same as from fp64), kColumns vectors of columns at a time with their running sums in
+  // registers, so the row-to-row dependency chains of the columns overlap. ~20 vector operations
+  // per 16 columns and row instead of ~30 with fp64 conversions.
+  (void)run;
+  constexpr int kColumns = 4;
+  const vf ch = vset(kRcpLn2), cl = vset(static_cast<float>(kRcpLn2d - static_cast<double>(kRcpLn2)));
+  for (int64_t c0 = 0; c0 < K; c0 += int64_t{kColumns} * W) {
+    int lanes[kColumns];
+    for (int j = 0; j < kColumns; ++j) lanes[j] = static_cast<int>(std::clamp<int64_t>(K - c0 - j * W, 0, W));
+    vf hi[kColumns], lo[kColumns];
+    for (int j = 0; j < kColumns; ++j) hi[j] = vzero(), lo[j] = vzero();
+    for (int64_t r = 0; r < L; ++r) {
+      for (int j = 0; j < kColumns; ++j) {
+        if (lanes[j] == 0) continue;
+        float* at = b + r * K + c0 + j * W;
+        const vf x = vload_k(at, lanes[j]);
+        const vf sm = vadd(hi[j], x), bb = vsub(sm, hi[j]);  // TwoSum: sm + e = hi + x exactly
+        const vf e = vadd(vsub(hi[j], vsub(sm, bb)), vsub(x, bb));
+        const vf l = vadd(lo[j], e);
+        hi[j] = vadd(sm, l);  // renormalise (|l| <= ulp(sm))
+        lo[j] = vsub(l, vsub(hi[j], sm));
+        vf p = vmul(hi[j], ch);
+        __asm__("" : "+x"(p));  // p = round(hi ch) as such: no contraction into the sums below
+        vf pe = vfma(hi[j], ch, vsub(vzero(), p));  // hi ch - p, exactly
+        pe = vfma(lo[j], ch, vfma(hi[j], cl, pe));
+        const vf rh = vadd(p, pe);
+        vstore_k(at, rh, lanes[j]);
+        vstore_k(blo + (at - b), vsub(pe, vsub(rh, p)), lanes[j]);
+      }
+    }
+  }
+  return;
+#endif
   double* __restrict acc = run;
   for (int64_t i = 0; i < K; ++i) acc[i] = 0.0;
   for (int64_t r = 0; r < L; ++r) {
