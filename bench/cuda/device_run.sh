@@ -52,6 +52,10 @@ for step in "$@"; do
       ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$LOG/bench_mma_diag.log"
       unset GLA_CUDA_KERNEL ;;
     first) ./build-cuda/harness first 2>&1 | tee "$LOG/first.log" ;;
+    split) # the split-item warp-specialised kernel at K <= 64 (GLA_CUDA_KERNEL=ws-split; not yet run on a GPU)
+      GLA_CUDA_KERNEL=ws-split timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_split.log" | grep -v "^ok "
+      grep -c "chunk-ws-split" "$LOG/check_split.log"
+      for v in ws-split auto; do GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 4x8192x32x64 8x4096x16x64; done 2>&1 | tee "$LOG/bench_split.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
       for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log"
       # the kernel with the mbarrier hand-off: correctness, speed, racecheck

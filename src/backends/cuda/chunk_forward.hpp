@@ -47,7 +47,8 @@ struct ForwardParams {
   int32_t debug_skip;    // profiling only (0 in production): bit mask of chunk-kernel phases to skip
   // Which chunk kernel the planner may pick (GLA_CUDA_KERNEL): 0 auto (the warp-specialised kernel
   // where it applies, else the tensor-core-diagonal one), 1 mma-diag, 2 plain (element-wise
-  // diagonal blocks). Kept for A/B timing and as a fallback.
+  // diagonal blocks), 3 ws-split (the warp-specialised kernel with split element-wise items at
+  // K <= 64; not yet validated on a GPU). Kept for A/B timing and as a fallback.
   int32_t kernel_variant;
 };
 
@@ -57,7 +58,7 @@ struct ForwardPlan {
   int32_t head_dim_k = 0;        // 64 or 128 (padded K)
   int32_t value_tile = 0;        // 64 or 128
   int32_t value_tiles = 0;
-  int32_t kernel = 0;            // 0 plain, 1 mma-diag, 2 warp-specialised (mma-diag numerics)
+  int32_t kernel = 0;            // 0 plain, 1 mma-diag, 2 warp-specialised (mma-diag numerics), 3 ws split items
   int64_t segment_chunks = 0;  // segment length in 64-token chunks
   int64_t max_segments = 0;    // per sequence (grid size)
   size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1)

@@ -44,10 +44,11 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
 }
 
 // The warp-specialised kernel (pass 2; pass 1 of a segment split runs the plain kernel).
-template <int DK, typename E>
+template <int DK, typename E, int RS = 16>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
-  const WsSmem L = ws_smem_layout(DK, p.gate_per_head != 0);
-  auto kernel = chunk_forward_ws_kernel<DK, E>;
+  constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
+  const WsSmem L = ws_smem_layout(DK, p.gate_per_head != 0, 16 / RS);
+  auto kernel = chunk_forward_ws_kernel<DK, E, RS>;
   static int raised = 0;
   if (raised < L.total) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
@@ -71,7 +72,7 @@ cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* 
     sa.seg_decay = sa.seg_states + states;
   }
   const dim3 grid(static_cast<unsigned>(p.N * plan.max_segments), static_cast<unsigned>(p.H * plan.value_tiles));
-  kernel<<<grid, DK * 4, L.total, stream>>>(p, sa);
+  kernel<<<grid, kThreads, L.total, stream>>>(p, sa);
   return cudaGetLastError();
 }
 

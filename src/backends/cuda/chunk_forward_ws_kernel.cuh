@@ -38,7 +38,7 @@ struct WsSmem {
   int v0, v_step;           // two v stages
   int slot0, slot_step;     // two slots, each {qw, kw, A, decay} at the offsets below
   int s_qw, s_kw, s_a, s_dfac;
-  int tot, dpart;
+  int tot, htot, dpart;     // htot: per-half sub-chunk totals (split items only)
   int mbar;                 // 4 mbarriers (READY[2], FREE[2]) for the mbarrier hand-off
   int total;
   __host__ __device__ int lvl(int i) const { return lvl0 + i * lvl_step; }
@@ -48,7 +48,8 @@ struct WsSmem {
   __host__ __device__ int a(int i) const { return slot0 + i * slot_step + s_a; }
   __host__ __device__ int dfac(int i) const { return slot0 + i * slot_step + s_dfac; }
 };
-__host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head) {
+// halves = 2: the split-item variant (two prep threads per element-wise item, 8 rows each).
+__host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
   WsSmem s{};
   s.pq = dk + 8;
   s.pv = dk + 8;
@@ -67,7 +68,8 @@ __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head) {
   s.s_dfac = s.s_a + kChunk * s.pa * 2;
   s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
   s.tot = off; off += 4 * dk * 4;
-  s.dpart = off; off += (dk / 16) * 24 * 4;
+  s.htot = off; off += halves == 2 ? 8 * dk * 4 : 0;
+  s.dpart = off; off += (2 * dk * halves / 32) * 24 * 4;
   off = (off + 7) & ~7;
   s.mbar = off; off += 4 * 8;
   s.total = off;
@@ -109,19 +111,76 @@ __device__ __forceinline__ void mbar_wait(void* b, uint32_t parity) {
 #endif
 }
 
+// Level copies for a split item (RS = 8 rows starting at an 8-aligned row, `base` = its first row
+// and column pair). Levels h <= 4: the blocks of 2h rows lie inside the 8 rows (as in
+// write_level_copy). h = 8: the 8 rows are the block's key members (first half, pivot its last row)
+// or its query members (second half, factors from its first row on).
+template <int H, typename X>
+__device__ __forceinline__ void write_level_rows(uint16_t* base, int pq, const uint32_t (&qv)[8], const uint32_t (&kv)[8],
+                                                 const float (&e0)[8], const float (&e1)[8]) {
+#pragma unroll
+  for (int b0 = 0; b0 < 8; b0 += 2 * H) {
+    const int piv = b0 + H - 1;
+    float f0 = 1.f, f1 = 1.f;
+#pragma unroll
+    for (int r = piv; r >= b0; --r) {
+      const float2 k = X::to_float2(kv[r]);
+      *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(k.x * f0, k.y * f1);
+      f0 *= e0[r];
+      f1 *= e1[r];
+    }
+    f0 = f1 = 1.f;
+#pragma unroll
+    for (int r = piv + 1; r < b0 + 2 * H; ++r) {
+      f0 *= e0[r];
+      f1 *= e1[r];
+      const float2 q = X::to_float2(qv[r]);
+      *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(q.x * f0, q.y * f1);
+    }
+  }
+}
+template <typename X>
+__device__ __forceinline__ void write_level_rows_h8(uint16_t* base, int pq, bool key_half, const uint32_t (&qv)[8],
+                                                    const uint32_t (&kv)[8], const float (&e0)[8], const float (&e1)[8]) {
+  float f0 = 1.f, f1 = 1.f;
+  if (key_half) {
+#pragma unroll
+    for (int r = 7; r >= 0; --r) {
+      const float2 k = X::to_float2(kv[r]);
+      *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(k.x * f0, k.y * f1);
+      f0 *= e0[r];
+      f1 *= e1[r];
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      f0 *= e0[r];
+      f1 *= e1[r];
+      const float2 q = X::to_float2(qv[r]);
+      *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(q.x * f0, q.y * f1);
+    }
+  }
+}
+
 // Barrier ids (0 is __syncthreads).
 constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 
-template <int DK, typename E>
-__global__ void __launch_bounds__(DK * 4, 1)
+// RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk), the measured
+// default. 8 (split items, opt-in GLA_CUDA_KERNEL=ws-split, D = 64 only; not yet run on a GPU): two
+// prep threads per item, each with 8 rows, exchanging their half totals through shared memory; twice
+// the prep warps for the same work, to cut the prep group's serial latency, which bounds the kernel.
+template <int DK, typename E, int RS = 16>
+__global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
+  static_assert(RS == 16 || RS == 8, "rows per item: 16 or 8");
+  constexpr int HALVES = 16 / RS;
   constexpr int BV = DK;
-  constexpr int NP = 2 * DK;        // prep threads
+  constexpr int NP = 2 * DK * HALVES;  // prep threads
   constexpr int NS = 2 * BV;        // state threads
   constexpr int NT = NP + NS;
   constexpr int NKT = DK / 8;
-  constexpr int kWarpsPerSub = DK / 64;
+  constexpr int kWarpsPerItemRow = DK / 64;  // warps per (sub-chunk, half): DK/2 column pairs
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -140,7 +199,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
   const bool per_head = p.gate_per_head != 0;
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;  // 4 only with per_head here
-  const WsSmem L = ws_smem_layout(DK, per_head);
+  const WsSmem L = ws_smem_layout(DK, per_head, HALVES);
 
   // GLA_WS_MBARRIER=1 at compile time: READY/FREE as mbarriers instead of named barriers, for
   // compute-sanitizer's racecheck, which cannot check the named-barrier hand-off
@@ -172,7 +231,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     unsigned char* gs = smem + L.g;
     float* tot = reinterpret_cast<float*>(smem + L.tot);
     float* dpart = reinterpret_cast<float*>(smem + L.dpart);
-    const int cp = tid % (DK / 2), sub = tid / (DK / 2), k0 = cp * 2;
+    // Item: column pair cp, sub-chunk sub, half hf (rows row0 .. row0 + RS - 1 of the sub-chunk).
+    const int cp = tid % (DK / 2), q2 = tid / (DK / 2), k0 = cp * 2;
+    const int sub = q2 / HALVES, hf = q2 % HALVES, row0 = hf * RS;
+    float* htot = reinterpret_cast<float*>(smem + L.htot);
 
     auto issue_loads = [&](int64_t chunk) {
       const int64_t t0 = seq.bos + chunk * kChunk;
@@ -215,12 +277,12 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
       const bool prep_math = !(p.debug_skip & 64);  // profiling: 64 = hand-offs and loads only
       // ---- element-wise, read phase: raw q, k, g -> registers ----
-      uint32_t qv[16], kv[16];
-      float e0[16], e1[16];
+      uint32_t qv[RS], kv[RS];
+      float e0[RS], e1[RS];
       float a0 = 0.f, a1 = 0.f;
 #pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        const int t = sub * 16 + r;
+      for (int r = 0; r < RS; ++r) {
+        const int t = sub * 16 + row0 + r;
         float g0, g1;
         if (per_head) {
           g0 = g1 = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[t]
@@ -239,18 +301,23 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pq + k0);
         kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pq + k0);
       }
-      tot[sub * DK + k0] = a0;
-      tot[sub * DK + k0 + 1] = a1;
+      if constexpr (HALVES == 1) {
+        tot[sub * DK + k0] = a0;
+        tot[sub * DK + k0 + 1] = a1;
+      } else {
+        htot[q2 * DK + k0] = a0;
+        htot[q2 * DK + k0 + 1] = a1;
+      }
       // Partials over this column pair: q_t . k_t (diagonal) and q_{2i+1} e_{2i+1} . k_{2i} (the
       // h = 1 level: pivot at row 2i, so the query factor is e_{2i+1} <= 1 and the key factor 1).
-      float dg[16], pr[8];
+      float dg[RS], pr[RS / 2];
 #pragma unroll
-      for (int r = 0; r < 16; ++r) {
+      for (int r = 0; r < RS; ++r) {
         const float2 q = X::to_float2(qv[r]), k = X::to_float2(kv[r]);
         dg[r] = q.x * k.x + q.y * k.y;
       }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < RS / 2; ++i) {
         const float2 q = X::to_float2(qv[2 * i + 1]), k = X::to_float2(kv[2 * i]);
         pr[i] = q.x * e0[2 * i + 1] * k.x + q.y * e1[2 * i + 1] * k.y;
       }
@@ -267,56 +334,86 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
       // ---- element-wise, write phase: qloc, kloc, level copies; reductions ----
       if (prep_math) {
-        float f0 = 1.f, f1 = 1.f;
+        // qloc_t = q_t 2^{c_t} (c from the sub-chunk start), kloc_t = k_t 2^{Tot - c_t}. A second
+        // half starts its query product at 2^{total of the first half}; a first half starts its key
+        // product at 2^{total of the second half}. Exponents <= 0.
+        float fq0 = 1.f, fq1 = 1.f, fk0 = 1.f, fk1 = 1.f;
+        if constexpr (HALVES == 2) {
+          const float h00 = htot[(sub * 2) * DK + k0], h01 = htot[(sub * 2) * DK + k0 + 1];
+          const float h10 = htot[(sub * 2 + 1) * DK + k0], h11 = htot[(sub * 2 + 1) * DK + k0 + 1];
+          if (hf == 1) {
+            fq0 = fast_exp2(h00);
+            fq1 = fast_exp2(h01);
+          } else {
+            fk0 = fast_exp2(h10);
+            fk1 = fast_exp2(h11);
+            tot[sub * DK + k0] = h00 + h10;
+            tot[sub * DK + k0 + 1] = h01 + h11;
+          }
+        }
+        float f0 = fq0, f1 = fq1;
 #pragma unroll
-        for (int r = 0; r < 16; ++r) {
+        for (int r = 0; r < RS; ++r) {
           f0 *= e0[r];
           f1 *= e1[r];
           const float2 q = X::to_float2(qv[r]);
-          *reinterpret_cast<uint32_t*>(qw + (sub * 16 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
+          *reinterpret_cast<uint32_t*>(qw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
         }
-        f0 = f1 = 1.f;
+        f0 = fk0;
+        f1 = fk1;
 #pragma unroll
-        for (int r = 15; r >= 0; --r) {
+        for (int r = RS - 1; r >= 0; --r) {
           const float2 k = X::to_float2(kv[r]);
-          *reinterpret_cast<uint32_t*>(kw + (sub * 16 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
+          *reinterpret_cast<uint32_t*>(kw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
           f0 *= e0[r];
           f1 *= e1[r];
         }
       }
       if (prep_math) {
-        write_level_copy<8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)), L.pq, sub, k0, qv, kv, e0, e1);
-        write_level_copy<4, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)), L.pq, sub, k0, qv, kv, e0, e1);
-        write_level_copy<2, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)), L.pq, sub, k0, qv, kv, e0, e1);
+        if constexpr (HALVES == 1) {
+          write_level_copy<8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)), L.pq, sub, k0, qv, kv, e0, e1);
+          write_level_copy<4, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)), L.pq, sub, k0, qv, kv, e0, e1);
+          write_level_copy<2, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)), L.pq, sub, k0, qv, kv, e0, e1);
+        } else {
+          uint16_t* base = nullptr;
+          base = reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + (sub * 16 + row0) * L.pq + k0;
+          write_level_rows_h8<X>(base, L.pq, hf == 0, qv, kv, e0, e1);
+          base = reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + (sub * 16 + row0) * L.pq + k0;
+          write_level_rows<4, X>(base, L.pq, qv, kv, e0, e1);
+          base = reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + (sub * 16 + row0) * L.pq + k0;
+          write_level_rows<2, X>(base, L.pq, qv, kv, e0, e1);
+        }
       }
       if (prep_math) {
-        // Reduce dg (16 rows) and pr (8 pairs) over the warp: half-exchange, then butterflies.
+        // Reduce dg (RS rows) and pr (RS/2 pairs) over the warp: half-exchange, then butterflies.
+        // dpart per warp: 16 slots of row sums (RS used), then 8 of pair sums (RS/2 used).
+        constexpr int HV = RS / 2, HP = RS / 4;
         const bool upper = (lane & 16) != 0;
-        float hv[8], hp[4];
+        float hv[HV], hp[HP];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float send = upper ? dg[i] : dg[i + 8];
-          const float keep = upper ? dg[i + 8] : dg[i];
+        for (int i = 0; i < HV; ++i) {
+          const float send = upper ? dg[i] : dg[i + HV];
+          const float keep = upper ? dg[i + HV] : dg[i];
           hv[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float send = upper ? pr[i] : pr[i + 4];
-          const float keep = upper ? pr[i + 4] : pr[i];
+        for (int i = 0; i < HP; ++i) {
+          const float send = upper ? pr[i] : pr[i + HP];
+          const float keep = upper ? pr[i + HP] : pr[i];
           hp[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
         }
 #pragma unroll
         for (int o = 8; o >= 1; o >>= 1) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) hv[i] += __shfl_xor_sync(0xffffffffu, hv[i], o);
+          for (int i = 0; i < HV; ++i) hv[i] += __shfl_xor_sync(0xffffffffu, hv[i], o);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) hp[i] += __shfl_xor_sync(0xffffffffu, hp[i], o);
+          for (int i = 0; i < HP; ++i) hp[i] += __shfl_xor_sync(0xffffffffu, hp[i], o);
         }
         if ((lane & 15) == 0) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) dpart[warp * 24 + (upper ? 8 : 0) + i] = hv[i];
+          for (int i = 0; i < HV; ++i) dpart[warp * 24 + (upper ? HV : 0) + i] = hv[i];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) dpart[warp * 24 + 16 + (upper ? 4 : 0) + i] = hp[i];
+          for (int i = 0; i < HP; ++i) dpart[warp * 24 + 16 + (upper ? HP : 0) + i] = hp[i];
         }
       }
       named_sync(kBarPrep, NP);
@@ -391,12 +488,14 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           }
         }
         if (tid < kChunk) {
-          const int t = tid, tsub = t >> 4, r = t & 15;
+          // Row t = 16 tsub + RS thf + lr: its warps are those of item row q2 = HALVES tsub + thf.
+          const int t = tid, tsub = t >> 4, thf = (t & 15) / RS, lr = (t & 15) % RS, r = t & 15;
+          const int wq = (tsub * HALVES + thf) * kWarpsPerItemRow;
           float sd = 0.f, sp = 0.f;
 #pragma unroll
-          for (int w = 0; w < kWarpsPerSub; ++w) {
-            sd += dpart[(tsub * kWarpsPerSub + w) * 24 + r];
-            sp += dpart[(tsub * kWarpsPerSub + w) * 24 + 16 + (r >> 1)];
+          for (int w = 0; w < kWarpsPerItemRow; ++w) {
+            sd += dpart[(wq + w) * 24 + lr];
+            sp += dpart[(wq + w) * 24 + 16 + (lr >> 1)];
           }
           As[t * L.pa + t] = X::from_float(sd);
           if (r & 1) As[t * L.pa + t - 1] = X::from_float(sp);
@@ -413,15 +512,15 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           if (l < sub) { pre0 += t0; pre1 += t1; }
           if (l > sub) { post0 += t0; post1 += t1; }
         }
-        if (sub == 0) {
+        if (sub == 0 && hf == 0) {
           dfac[k0] = fast_exp2(post0 + tot[k0]);
           dfac[k0 + 1] = fast_exp2(post1 + tot[k0 + 1]);
         }
         const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
         const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
 #pragma unroll
-        for (int r = 0; r < 16; ++r) {
-          const int t = sub * 16 + r;
+        for (int r = 0; r < RS; ++r) {
+          const int t = sub * 16 + row0 + r;
           if (sub > 0) {
             uint32_t* qp = reinterpret_cast<uint32_t*>(qw + t * L.pq + k0);
             const float2 x = X::to_float2(*qp);

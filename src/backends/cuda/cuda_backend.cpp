@@ -145,12 +145,14 @@ cuda::ForwardParams make_params(const gla_problem& p) {
     for (int i = 0; i < 3; ++i) vec = vec && p.g.strides[i] % 8 == 0;
   }
   f.vector_loads = vec ? 1 : 0;
-  // GLA_CUDA_KERNEL=mma-diag | plain: restrict the planner's kernel choice (A/B timing, fallback);
+  // GLA_CUDA_KERNEL=mma-diag | plain | ws-split: steer the planner's kernel choice (A/B timing,
+  // fallback, the unvalidated split-item variant);
   // unset or "auto": the fastest kernel that serves the problem.
   static const int variant = [] {
     const char* v = std::getenv("GLA_CUDA_KERNEL");
     if (v && std::strcmp(v, "mma-diag") == 0) return 1;
     if (v && std::strcmp(v, "plain") == 0) return 2;
+    if (v && std::strcmp(v, "ws-split") == 0) return 3;
     return 0;
   }();
   f.kernel_variant = variant;
@@ -245,7 +247,8 @@ class CudaBackend final : public Backend {
     if (!plan.use_chunk_kernel) {
       return "recurrent kernel (token loop in IEEE fp32 FMA: fp32 inputs, or K > 128)";
     }
-    std::string s = plan.kernel == 2   ? "warp-specialised chunk kernel (prep and state warp groups, tensor cores)"
+    std::string s = plan.kernel == 3   ? "warp-specialised chunk kernel with split element-wise items (prep and state warp groups, tensor cores)"
+                    : plan.kernel == 2 ? "warp-specialised chunk kernel (prep and state warp groups, tensor cores)"
                     : plan.kernel == 1 ? "chunk kernel with tensor-core diagonal blocks"
                                        : "chunk kernel with element-wise diagonal blocks";
     s += ", K padded to " + std::to_string(plan.head_dim_k) + ", " + std::to_string(plan.value_tiles) +

@@ -151,13 +151,14 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   // Kernel choice: the warp-specialised kernel needs cp.async rows and a 16-bit per-key gate or a
   // per-head gate (an fp32 per-key gate does not fit its shared memory); the others take anything.
   const bool ws_ok = p.vector_loads && (p.gate_per_head || gate_bytes == 2);
-  plan.kernel = p.kernel_variant == 2 ? 0 : (p.kernel_variant == 0 && ws_ok ? 2 : 1);
+  plan.kernel = p.kernel_variant == 2 ? 0 : ((p.kernel_variant == 0 || p.kernel_variant == 3) && ws_ok ? 2 : 1);
+  if (plan.kernel == 2 && p.kernel_variant == 3 && plan.head_dim_k == 64) plan.kernel = 3;
   plan.value_tile = plan.kernel != 0 ? plan.head_dim_k : (plan.head_dim_k == 128 && p.V > 64 ? 128 : 64);
   plan.value_tiles = static_cast<int32_t>((p.V + plan.value_tile - 1) / plan.value_tile);
   const detail::ChunkSmem L =
       detail::chunk_smem_layout(plan.head_dim_k, plan.value_tile, gate_bytes, p.gate_per_head != 0,
                                 plan.kernel == 1);
-  const int per_sm = plan.kernel != 2 && L.total * 2 + 2048 <= 228 * 1024 ? 2 : 1;
+  const int per_sm = plan.kernel < 2 && L.total * 2 + 2048 <= 228 * 1024 ? 2 : 1;
   const int slots = std::max(1, sm_count) * per_sm;
 
   std::vector<int64_t> chunks(static_cast<size_t>(p.N));
