@@ -9,7 +9,6 @@
 // GLA_NUM_THREADS. They can differ between instruction sets (GLA_CPU_ISA).
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cstdlib>
 #include <exception>
 #include <limits>
@@ -188,41 +187,29 @@ class CpuBackend final : public Backend {
     const int64_t items = kernels.item_count(p, budget);
     if (items <= 0) return;
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(budget, items));
-    size_t shared_floats = 0;
-    const size_t lockstep = kernels.lockstep_floats(p, budget, &shared_floats);
-    const size_t floats = lockstep ? lockstep : kernels.scratch_floats(p, budget);
+    const size_t floats = kernels.scratch_floats(p, budget);
 
     std::vector<Buffer> scratch;
     try {
       for (int64_t t = 0; t < threads; ++t) scratch.push_back(cache_.take(floats));
-      if (lockstep) scratch.push_back(cache_.take(shared_floats));  // last: shared by all threads
     } catch (const std::bad_alloc&) {
       for (auto& b : scratch) cache_.give(std::move(b));
       fail(GLA_STATUS_OUT_OF_MEMORY, "cpu: cannot allocate " + std::to_string(floats * 4 * threads) +
                                          " bytes of scratch for " + std::to_string(threads) + " threads");
     }
     if (poison_scratch()) {
-      for (auto& b : scratch) std::fill(b.data.get(), b.data.get() + b.floats, std::numeric_limits<float>::quiet_NaN());
+      for (auto& b : scratch) std::fill(b.data.get(), b.data.get() + floats, std::numeric_limits<float>::quiet_NaN());
     }
 
     // Items are claimed dynamically (long sequences next to short ones balance), which cannot
     // change results: every item is computed whole by one thread.
-    // The lock-step forward has every thread in every chunk (threads == budget there: it is taken
-    // only when each sequence has at least `budget` items).
     std::atomic<int64_t> next{0};
     std::exception_ptr error;
     std::mutex error_mutex;
-    std::barrier<> sync(static_cast<std::ptrdiff_t>(threads));
-    auto wait = [](void* b) { static_cast<std::barrier<>*>(b)->arrive_and_wait(); };
     auto worker = [&](int64_t id) {
       try {
         FlushDenormals ftz;
         float* s = scratch[static_cast<size_t>(id)].data.get();
-        if (lockstep) {
-          kernels.run_lockstep(p, static_cast<int>(threads), static_cast<int>(id), s, scratch.back().data.get(), wait,
-                               &sync);
-          return;
-        }
         for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) kernels.run_item(p, budget, i, s);
       } catch (...) {
         std::lock_guard lock(error_mutex);

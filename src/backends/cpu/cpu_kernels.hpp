@@ -31,13 +31,6 @@ struct KernelTable {
   // Floats of private scratch one item needs.
   size_t (*scratch_floats)(const gla_problem& problem, int threads);
   void (*run_item)(const gla_problem& problem, int threads, int64_t item, float* scratch);
-  // The forward in lock step with an input pre-pass (run_lockstep in kernels.inl): floats of private
-  // scratch per thread, 0 when the problem does not take that path; *shared: floats of the buffer
-  // all threads share.
-  size_t (*lockstep_floats)(const gla_problem& problem, int threads, size_t* shared);
-  // Thread `id` of `threads` (all of them run it); wait(ctx) is a barrier across the threads.
-  void (*run_lockstep)(const gla_problem& problem, int threads, int id, float* scratch, float* shared,
-                       void (*wait)(void*), void* ctx);
 };
 
 namespace avx512 {

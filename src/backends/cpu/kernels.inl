@@ -1290,120 +1290,6 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
   }
 }
 
-// Whole forward in lock step (the input pre-pass): all threads walk the chunks of a sequence
-// together. Per chunk, each thread first copies a slice of the chunk's token rows of q, k, v and g
-// for every head (whole rows: one contiguous region per tensor when the heads are dense, read
-// sequentially) into per-head contiguous buffers shared by all threads (two of them, alternating,
-// so one barrier per chunk suffices), then runs its own items' heads on them. Items (head group,
-// value tile) are those of run_forward, dealt round robin; each item's arithmetic is the same as
-// there, so the results are too. Used when every thread has an item in each sequence.
-struct Packed {
-  int64_t ldv, q, k, v, g, buf;  // v's leading dimension; offsets of the tensors in a buffer; buffer size
-};
-inline Packed packed_layout(const gla_problem& p) {
-  Packed s{};
-  const int64_t C = kChunk, HK = p.H * C * p.K;
-  s.ldv = padded_ld(p.V);
-  s.q = 0, s.k = HK, s.g = 2 * HK, s.v = 3 * HK;
-  s.buf = 3 * HK + p.H * C * s.ldv;
-  return s;
-}
-inline int64_t forward_items_per_sequence(const gla_problem& p, int threads) {
-  const int64_t group = head_group(p, threads);
-  return ((p.H + group - 1) / group) * value_tiles(p);
-}
-inline bool lockstep_forward(const gla_problem& p, int threads) {
-  if (p.unit != GLA_UNIT_CHUNK_FWD || threads < 1) return false;
-  if (const char* e = std::getenv("GLA_CPU_NO_PREPASS")) {
-    if (e[0] == '1') return false;
-  }
-  return forward_items_per_sequence(p, threads) >= threads;
-}
-inline size_t lockstep_floats(const gla_problem& p, int threads, size_t* shared) {
-  *shared = 0;
-  if (!lockstep_forward(p, threads)) return 0;
-  const int64_t group = head_group(p, threads), ips = forward_items_per_sequence(p, threads);
-  const int64_t mine = (ips + threads - 1) / threads;
-  size_t total = 0;
-  carve(p, group, nullptr, &total);
-  *shared = static_cast<size_t>(2 * packed_layout(p).buf);
-  return total + static_cast<size_t>(mine * group * p.K * padded_ld(value_tile_width(p)));
-}
-inline void run_lockstep(const gla_problem& p, int threads, int tid, float* scratch, float* shared,
-                         void (*wait)(void*), void* ctx) {
-  size_t total = 0;
-  const int64_t group = head_group(p, threads);
-  const Tiles t = carve(p, group, scratch, &total);
-  const int64_t nt = value_tiles(p), bw = value_tile_width(p), ngroups = (p.H + group - 1) / group;
-  const int64_t ips = ngroups * nt, K = p.K, C = kChunk, gk = p.gate_per_head ? 1 : K;
-  const int64_t lds_max = padded_ld(bw), kv_max = K * lds_max;
-  float* states = scratch + total;  // this thread's items' states, group heads each
-  const Packed pk = packed_layout(p);
-  const float scale = static_cast<float>(p.scale);
-  const char* mode = std::getenv("GLA_CPU_PREPASS");
-  const bool own = mode && mode[0] == 'o';  // pack by heads (the thread's own), one buffer, two barriers
-  const int64_t i0 = own ? ips * tid / threads : tid, i1 = own ? ips * (tid + 1) / threads : ips, di = own ? 1 : threads;
-  int64_t step = 0;
-  for (int64_t n = 0; n < p.N; ++n) {
-    const Span sp = span_of(p, n);
-    int64_t slot = 0;
-    for (int64_t i = i0; i < i1; i += di, ++slot) {
-      const int64_t vt = i % nt, h0 = (i / nt) * group, G = std::min(group, p.H - h0);
-      const int64_t v0 = vt * bw, bv = std::min(bw, p.V - v0), lds = padded_ld(bv);
-      for (int64_t j = 0; j < G; ++j) {
-        load_initial_state(p, n, h0 + j, v0, bv, states + (slot * group + j) * kv_max, lds);
-      }
-    }
-    for (int64_t c0 = 0; c0 < sp.length; c0 += C, ++step) {
-      const int64_t L = std::min(C, sp.length - c0), t0 = sp.start + c0;
-      float* buf = own ? shared : shared + (step % 2) * pk.buf;
-      {GLA_PROF(0, "F loads");
-      const int64_t r0 = own ? 0 : L * tid / threads, r1 = own ? L : L * (tid + 1) / threads;
-      const int64_t hlo = own ? p.H * tid / threads : 0, hhi = own ? p.H * (tid + 1) / threads : p.H;
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t h = hlo; h < hhi; ++h) load_row(p.q, element_offset(p.q, sp.batch, t0 + r, h, 0), p.q.strides[3], K, buf + pk.q + (h * C + r) * K);
-        for (int64_t h = hlo; h < hhi; ++h) load_row(p.k, element_offset(p.k, sp.batch, t0 + r, h, 0), p.k.strides[3], K, buf + pk.k + (h * C + r) * K);
-        for (int64_t h = hlo; h < hhi; ++h) load_row(p.v, element_offset(p.v, sp.batch, t0 + r, h, 0), p.v.strides[3], p.V, buf + pk.v + (h * C + r) * pk.ldv);
-        const int64_t gs = p.g.rank == 4 ? p.g.strides[3] : 0;
-        for (int64_t h = hlo; h < hhi; ++h) load_row(p.g, element_offset(p.g, sp.batch, t0 + r, h, 0), gs, gk, buf + pk.g + (h * C + r) * K);
-      }
-      }
-      wait(ctx);
-      slot = 0;
-      for (int64_t i = i0; i < i1; i += di, ++slot) {
-        const int64_t vt = i % nt, h0 = (i / nt) * group, G = std::min(group, p.H - h0);
-        const int64_t v0 = vt * bw, bv = std::min(bw, p.V - v0), lds = padded_ld(bv), cv = C * bv;
-        for (int64_t j = 0; j < G; ++j) {
-          const int64_t h = h0 + j;
-          const float* graw = buf + pk.g + h * C * K;
-          {GLA_PROF(1, "F cumsum");
-          if (gk == K) {
-            std::memcpy(t.b, graw, static_cast<size_t>(L * K) * 4);
-          } else {
-            for (int64_t r = 0; r < L; ++r) t.b[r * K] = graw[r * K];
-          }
-          cumsum_gate_rows(p.gate_per_head, L, K, t.b, t.blo, t.rund);}
-          const Gates gates{t.b, t.blo, K};
-          forward_chunk(L, K, bv, C, scale, buf + pk.q + h * C * K, buf + pk.k + h * C * K, gates,
-                        buf + pk.v + h * C * pk.ldv + v0, pk.ldv, states + (slot * group + j) * kv_max, lds,
-                        t.o + j * cv, t.A, t.intra, t.kl, t.run, t.wd);
-        }
-        GLA_PROF(2, "F store");
-        store_tiles(p.o, sp.batch, t0, L, h0, G, v0, bv, t.o, cv, bv);
-      }
-      if (own) wait(ctx);
-    }
-    if (has(p.final_state)) {
-      slot = 0;
-      for (int64_t i = i0; i < i1; i += di, ++slot) {
-        const int64_t vt = i % nt, h0 = (i / nt) * group, G = std::min(group, p.H - h0);
-        const int64_t v0 = vt * bw, bv = std::min(bw, p.V - v0), lds = padded_ld(bv);
-        for (int64_t j = 0; j < G; ++j) store_state(p, p.final_state, n, h0 + j, v0, bv, states + (slot * group + j) * kv_max, lds);
-      }
-    }
-  }
-}
-
 // Whole backward: item = (sequence, head). A forward pass recomputes the chunk-start states, then a
 // reverse pass carries dS and finishes each chunk's dq, dk, dv, dg while its tiles are in cache.
 inline void run_backward(const gla_problem& p, int64_t item, int64_t group, const Tiles& t) {
@@ -1704,6 +1590,6 @@ inline void run_item(const gla_problem& p, int threads, int64_t item, float* scr
 }
 
 const KernelTable& kernels() {
-  static const KernelTable table{GLA_CPU_ISA_NAME, &item_count, &scratch_floats, &run_item, &lockstep_floats, &run_lockstep};
+  static const KernelTable table{GLA_CPU_ISA_NAME, &item_count, &scratch_floats, &run_item};
   return table;
 }

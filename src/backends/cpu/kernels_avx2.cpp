@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
