@@ -97,28 +97,30 @@ __device__ __forceinline__ uint16_t* level_copy(int level, uint16_t* qs, uint16_
   return reinterpret_cast<uint16_t*>(smem + L.extra0);
 }
 
-template <int H, typename X>
-__device__ __forceinline__ void write_level_copy(uint16_t* dst, int pq, int sub, int k0,
-                                                 const uint32_t (&qv)[16], const uint32_t (&kv)[16],
-                                                 const float (&e0)[16], const float (&e1)[16]) {
+// Level copies of N rows (a 16-row sub-chunk, or 8 rows of a split item), `base` = the first row
+// at this thread's column pair: blocks of 2H rows starting at multiples of 2H; key members
+// k_r prod_{u=r+1..piv} e_u, query members q_r prod_{u=piv+1..r} e_u.
+template <int H, int N, typename X>
+__device__ __forceinline__ void write_level_block(uint16_t* base, int pq, const uint32_t (&qv)[N],
+                                                  const uint32_t (&kv)[N], const float (&e0)[N], const float (&e1)[N]) {
 #pragma unroll
-  for (int b0 = 0; b0 < 16; b0 += 2 * H) {
+  for (int b0 = 0; b0 < N; b0 += 2 * H) {
     const int piv = b0 + H - 1;
     float f0 = 1.f, f1 = 1.f;
 #pragma unroll
-    for (int r = piv; r >= b0; --r) {  // key members: k_r prod_{u=r+1..piv} e_u
+    for (int r = piv; r >= b0; --r) {
       const float2 k = X::to_float2(kv[r]);
-      *reinterpret_cast<uint32_t*>(dst + (sub * 16 + r) * pq + k0) = X::pack(k.x * f0, k.y * f1);
+      *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(k.x * f0, k.y * f1);
       f0 *= e0[r];
       f1 *= e1[r];
     }
     f0 = f1 = 1.f;
 #pragma unroll
-    for (int r = piv + 1; r < b0 + 2 * H; ++r) {  // query members: q_r prod_{u=piv+1..r} e_u
+    for (int r = piv + 1; r < b0 + 2 * H; ++r) {
       f0 *= e0[r];
       f1 *= e1[r];
       const float2 q = X::to_float2(qv[r]);
-      *reinterpret_cast<uint32_t*>(dst + (sub * 16 + r) * pq + k0) = X::pack(q.x * f0, q.y * f1);
+      *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(q.x * f0, q.y * f1);
     }
   }
 }
@@ -192,10 +194,10 @@ __device__ __forceinline__ void mma_diag_elementwise(const ForwardParams& p, con
     }
   }
   // Level copies (half sizes 8, 4, 2, 1 as template arguments, so every index is a constant).
-  write_level_copy<8, X>(level_copy<X>(0, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub, k0, qv, kv, e0, e1);
-  write_level_copy<4, X>(level_copy<X>(1, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub, k0, qv, kv, e0, e1);
-  write_level_copy<2, X>(level_copy<X>(2, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub, k0, qv, kv, e0, e1);
-  write_level_copy<1, X>(level_copy<X>(3, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub, k0, qv, kv, e0, e1);
+  write_level_block<8, 16, X>(level_copy<X>(0, qs, ks, gs, smem, L, per_head, gate_bytes) + sub * 16 * L.pq + k0, L.pq, qv, kv, e0, e1);
+  write_level_block<4, 16, X>(level_copy<X>(1, qs, ks, gs, smem, L, per_head, gate_bytes) + sub * 16 * L.pq + k0, L.pq, qv, kv, e0, e1);
+  write_level_block<2, 16, X>(level_copy<X>(2, qs, ks, gs, smem, L, per_head, gate_bytes) + sub * 16 * L.pq + k0, L.pq, qv, kv, e0, e1);
+  write_level_block<1, 16, X>(level_copy<X>(3, qs, ks, gs, smem, L, per_head, gate_bytes) + sub * 16 * L.pq + k0, L.pq, qv, kv, e0, e1);
   // Reduce dg over the warp: half-exchange (lanes 0-15 keep rows 0-7, 16-31 rows 8-15), then a
   // butterfly over 16 lanes. Fixed order: deterministic.
   const bool upper = (lane & 16) != 0;
@@ -218,36 +220,209 @@ __device__ __forceinline__ void mma_diag_elementwise(const ForwardParams& p, con
   }
 }
 
+// ---- pieces shared by the single-role and the warp-specialised kernel ----
+
+// Initial S^T fragments of this warp's value rows vrow..vrow+15 (C fragment of n8 tile j: S[j][e]):
+// the caller's initial state (full pass only) with the local states of the earlier segments folded
+// in (S = 2^{d_s} S + S_loc_s, written by pass 1).
+template <int DK, int BV>
+__device__ __forceinline__ void load_initial_state(float (&S)[DK / 8][4], const ForwardParams& p, const SegmentArgs& sa,
+                                                   bool full, int64_t n, int64_t m, int64_t h, int64_t v0, int vrow,
+                                                   int lane) {
+  const int fr = lane >> 2, fc = fc_of(lane);
+  const bool have_h0 = full && p.initial_state != nullptr;
+#pragma unroll
+  for (int j = 0; j < DK / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vv = vrow + fr + (e >> 1) * 8;
+      const int kk = j * 8 + fc + (e & 1);
+      float x = 0.f;
+      if (have_h0 && kk < p.K && v0 + vv < p.V) {
+        x = p.initial_state[state_index(p.h0_stride, p.state_v_first, n, h, kk, v0 + vv)];
+      }
+      if (full) {
+        for (int64_t s = 0; s < m; ++s) {
+          const int64_t si = (n * sa.max_segments + s) * p.H + h;
+          const float d = sa.seg_decay[si * DK + kk];
+          const float loc = sa.seg_states[(si * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk];
+          x = fast_exp2(d) * x + loc;
+        }
+      }
+      S[j][e] = x;
+    }
+  }
+}
+
+// The caller's final state from this warp's S^T fragments (entries beyond K or V skipped).
+template <int DK>
+__device__ __forceinline__ void store_final_state(const float (&S)[DK / 8][4], const ForwardParams& p, int64_t n,
+                                                  int64_t h, int64_t v0, int vrow, int lane) {
+  const int fr = lane >> 2, fc = fc_of(lane);
+#pragma unroll
+  for (int j = 0; j < DK / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vv = vrow + fr + (e >> 1) * 8;
+      const int kk = j * 8 + fc + (e & 1);
+      if (kk < p.K && v0 + vv < p.V) {
+        p.final_state[state_index(p.ht_stride, p.state_v_first, n, h, kk, v0 + vv)] = S[j][e];
+      }
+    }
+  }
+}
+
+// A's off-diagonal 16x16 block (i, j), i > j, on tensor cores, pivoted at the last row of
+// sub-chunk i-1: A_ij = (qloc_i 2^{sum_{j<l<i} Tot_l}) kloc_j^T, every factor <= 1.
+template <int DK, typename X>
+__device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16_t* qw, const uint16_t* kw, int pq,
+                                              const float* tot, int i, int j, int lane) {
+  const int mi = lane >> 3, fr = lane >> 2, fc = fc_of(lane);
+  float acc[2][4] = {};
+  const int arow = i * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
+  const int brow = j * 16 + (lane & 7) + (mi >> 1) * 8, bcol = (mi & 1) * 8;
+#pragma unroll
+  for (int kk = 0; kk < DK / 16; ++kk) {
+    uint32_t a[4], b[4];
+    ldsm_x4(a, qw + arow * pq + kk * 16 + acol);
+    ldsm_x4(b, kw + brow * pq + kk * 16 + bcol);
+    if (i - j > 1) {
+      // Fold 2^{sum_{j<l<i} Tot_l} (<= 1) into the query fragment.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int kcol = kk * 16 + half * 8 + fc;
+        float f0 = 0.f, f1 = 0.f;
+        for (int l = j + 1; l < i; ++l) {
+          f0 += tot[l * DK + kcol];
+          f1 += tot[l * DK + kcol + 1];
+        }
+        f0 = fast_exp2(f0);
+        f1 = fast_exp2(f1);
+        const float2 x0 = X::to_float2(a[half * 2]), x1 = X::to_float2(a[half * 2 + 1]);
+        a[half * 2] = X::pack(x0.x * f0, x0.y * f1);
+        a[half * 2 + 1] = X::pack(x1.x * f0, x1.y * f1);
+      }
+    }
+    X::mma(acc[0], a, b[0], b[1]);
+    X::mma(acc[1], a, b[2], b[3]);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int row = i * 16 + fr, col = j * 16 + nt * 8 + fc;
+    *reinterpret_cast<uint32_t*>(As + row * pa + col) = X::pack(acc[nt][0], acc[nt][1]);
+    *reinterpret_cast<uint32_t*>(As + (row + 8) * pa + col) = X::pack(acc[nt][2], acc[nt][3]);
+  }
+}
+
+// One pivot level's products inside sub-chunk `sub` (level copy `src`, half size h): one m16n8 tile
+// per k-step pair with the 8 key members gathered by per-lane ldmatrix addresses; the entries whose
+// pair this level splits go to A, the cross terms (finite) are dropped by the select.
+template <int DK, typename X>
+__device__ __forceinline__ void level_block(uint16_t* As, int pa, const uint16_t* src, int pq, int sub, int h,
+                                            int lane) {
+  const int mi = lane >> 3, fr = lane >> 2, fc = fc_of(lane);
+  const int jb = lane & 7;
+  const int key_row = sub * 16 + (jb / h) * 2 * h + (jb % h);  // gathered key member
+  const int arow = sub * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < DK / 16; kk += 2) {
+    uint32_t a0[4], a1[4], b[4];
+    ldsm_x4(a0, src + arow * pq + kk * 16 + acol);
+    ldsm_x4(a1, src + arow * pq + (kk + 1) * 16 + acol);
+    ldsm_x4(b, src + key_row * pq + kk * 16 + mi * 8);
+    X::mma(acc, a0, b[0], b[1]);
+    X::mma(acc, a1, b[2], b[3]);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int t = fr + (e >> 1) * 8, j = fc + (e & 1);
+    const int s = (j / h) * 2 * h + (j % h);
+    if (t / (2 * h) == j / h && (t % (2 * h)) >= h) {
+      As[(sub * 16 + t) * pa + sub * 16 + s] = X::from_float(acc[e]);
+    }
+  }
+}
+
+// V^T fragments of this warp's value columns vrow..vrow+15 (M = value rows, K = the 64 tokens).
+__device__ __forceinline__ void load_v_fragments(uint32_t (&vf)[4][4], const uint16_t* vs, int pv, int vrow, int lane) {
+  const int mi = lane >> 3;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    ldsm_x4_trans(vf[kk], vs + (kk * 16 + (lane & 7) + (mi >> 1) * 8) * pv + vrow + (mi & 1) * 8);
+  }
+}
+
+// o^T (this warp's 16 value rows x 64 tokens) = S^T qg^T + V^T A^T. S^T is the A operand straight
+// from the accumulator registers (rounded to 16 bits); A is zero above the diagonal, so its upper
+// k-blocks are skipped.
+template <int DK, typename X>
+__device__ __forceinline__ void o_tile(float (&acc)[8][4], const float (&S)[DK / 8][4], const uint32_t (&vf)[4][4],
+                                       const uint16_t* qw, int pq, const uint16_t* As, int pa, int lane) {
+  const int mi = lane >> 3;
+  const int nrow = (lane & 7) + (mi >> 1) * 8, ncol = (mi & 1) * 8;
+#pragma unroll
+  for (int kk = 0; kk < DK / 16; ++kk) {
+    uint32_t a[4];
+    a[0] = X::pack(S[2 * kk][0], S[2 * kk][1]);
+    a[1] = X::pack(S[2 * kk][2], S[2 * kk][3]);
+    a[2] = X::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+    a[3] = X::pack(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+#pragma unroll
+    for (int nt2 = 0; nt2 < 4; ++nt2) {
+      uint32_t b[4];
+      ldsm_x4(b, qw + (nt2 * 16 + nrow) * pq + kk * 16 + ncol);
+      X::mma(acc[2 * nt2], a, b[0], b[1]);
+      X::mma(acc[2 * nt2 + 1], a, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+    for (int nt2 = 0; nt2 < 4; ++nt2) {
+      if (kk > nt2) continue;  // A is zero above the diagonal
+      uint32_t b[4];
+      ldsm_x4(b, As + (nt2 * 16 + nrow) * pa + kk * 16 + ncol);
+      X::mma(acc[2 * nt2], vf[kk], b[0], b[1]);
+      X::mma(acc[2 * nt2 + 1], vf[kk], b[2], b[3]);
+    }
+  }
+}
+
+// S^T = S^T diag(2^{b_last}) + V^T kg.
+template <int DK, typename X>
+__device__ __forceinline__ void state_update(float (&S)[DK / 8][4], const uint32_t (&vf)[4][4], const uint16_t* kw,
+                                             int pq, const float* dfac, int lane) {
+  const int mi = lane >> 3, fc = fc_of(lane);
+#pragma unroll
+  for (int j = 0; j < DK / 8; ++j) {
+    const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
+    S[j][0] *= d0;
+    S[j][1] *= d1;
+    S[j][2] *= d0;
+    S[j][3] *= d1;
+  }
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+    for (int nt2 = 0; nt2 < DK / 16; ++nt2) {
+      uint32_t b[4];
+      ldsm_x4_trans(b, kw + (kk * 16 + (lane & 7) + (mi & 1) * 8) * pq + nt2 * 16 + (mi >> 1) * 8);
+      X::mma(S[2 * nt2], vf[kk], b[0], b[1]);
+      X::mma(S[2 * nt2 + 1], vf[kk], b[2], b[3]);
+    }
+  }
+}
+
 // The level products on tensor cores (16 tasks: sub-chunk x level) and the diagonal entries.
 template <int DK, int NW, typename X>
 __device__ __forceinline__ void mma_diag_levels(const ChunkSmem& L, int tid, int lane, int warp, uint16_t* qs,
                                                 uint16_t* ks, unsigned char* gs, uint16_t* As, unsigned char* smem,
                                                 bool per_head, int gate_bytes) {
-  const int mi = lane >> 3, fr = lane >> 2, fc = (lane & 3) * 2;
   for (int task = warp; task < 16; task += NW) {
-    const int sub = task >> 2, level = task & 3, h = 8 >> level;
-    const uint16_t* src = level_copy<X>(level, qs, ks, gs, smem, L, per_head, gate_bytes);
-    const int jb = lane & 7;
-    const int key_row = sub * 16 + (jb / h) * 2 * h + (jb % h);  // gathered key member
-    const int arow = sub * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int kk = 0; kk < DK / 16; kk += 2) {
-      uint32_t a0[4], a1[4], b[4];
-      ldsm_x4(a0, src + arow * L.pq + kk * 16 + acol);
-      ldsm_x4(a1, src + arow * L.pq + (kk + 1) * 16 + acol);
-      ldsm_x4(b, src + key_row * L.pq + kk * 16 + mi * 8);
-      X::mma(acc, a0, b[0], b[1]);
-      X::mma(acc, a1, b[2], b[3]);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int t = fr + (e >> 1) * 8, j = fc + (e & 1);
-      const int s = (j / h) * 2 * h + (j % h);
-      if (t / (2 * h) == j / h && (t % (2 * h)) >= h) {
-        As[(sub * 16 + t) * L.pa + sub * 16 + s] = X::from_float(acc[e]);
-      }
-    }
+    const int sub = task >> 2, level = task & 3;
+    level_block<DK, X>(As, L.pa, level_copy<X>(level, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub,
+                       8 >> level, lane);
   }
   // A[t,t] = q_t . k_t: the partials of the sub-chunk's warps (DK/2 threads: one or two warps).
   const float* dpart = reinterpret_cast<const float*>(smem + L.dpart);
@@ -377,31 +552,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
   const int fr = lane >> 2, fc = (lane & 3) * 2;  // fragment row / column
   const int vrow = warp * 16;                      // this warp's value rows inside the tile
   float S[NKT][4];
-  {
-    const bool have_h0 = full && p.initial_state != nullptr;
-#pragma unroll
-    for (int j = 0; j < NKT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int vv = vrow + fr + (e >> 1) * 8;
-        const int kk = j * 8 + fc + (e & 1);
-        float x = 0.f;
-        if (have_h0 && kk < p.K && v0 + vv < p.V) {
-          x = p.initial_state[state_index(p.h0_stride, p.state_v_first, n, h, kk, v0 + vv)];
-        }
-        if (full) {
-          // Fold in the local states of the earlier segments (pass 1 wrote them).
-          for (int64_t s = 0; s < m; ++s) {
-            const int64_t si = (n * sa.max_segments + s) * p.H + h;
-            const float d = sa.seg_decay[si * DK + kk];
-            const float loc = sa.seg_states[(si * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk];
-            x = fast_exp2(d) * x + loc;
-          }
-        }
-        S[j][e] = x;
-      }
-    }
-  }
+  load_initial_state<DK, BV>(S, p, sa, full, n, m, h, v0, vrow, lane);
 
   if (c_begin < c_end) issue_loads(c_begin, 0);
 
@@ -483,45 +634,10 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     if (full) {
       // Off-diagonal blocks (i, j), i > j, on tensor cores.
       constexpr int kBlocks = 6;
-      const int bi[kBlocks] = {1, 2, 3, 2, 3, 3};
-      const int bj[kBlocks] = {0, 1, 2, 0, 1, 0};
       for (int blk = warp; blk < kBlocks && !(p.debug_skip & 2); blk += NW) {
-        const int i = bi[blk], j = bj[blk];
-        float acc[2][4] = {};
-        const int mi = lane >> 3;
-        const int arow = i * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
-        const int brow = j * 16 + (lane & 7) + (mi >> 1) * 8, bcol = (mi & 1) * 8;
-#pragma unroll
-        for (int kk = 0; kk < DK / 16; ++kk) {
-          uint32_t a[4], b[4];
-          ldsm_x4(a, qw + arow * L.pq + kk * 16 + acol);
-          ldsm_x4(b, kw + brow * L.pq + kk * 16 + bcol);
-          if (i - j > 1) {
-            // Fold 2^{sum_{j<l<i} Tot_l} (<= 1) into the query fragment.
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int kcol = kk * 16 + half * 8 + fc;
-              float f0 = 0.f, f1 = 0.f;
-              for (int l = j + 1; l < i; ++l) {
-                f0 += tot[l * DK + kcol];
-                f1 += tot[l * DK + kcol + 1];
-              }
-              f0 = fast_exp2(f0);
-              f1 = fast_exp2(f1);
-              float2 x0 = X::to_float2(a[half * 2]), x1 = X::to_float2(a[half * 2 + 1]);
-              a[half * 2] = X::pack(x0.x * f0, x0.y * f1);
-              a[half * 2 + 1] = X::pack(x1.x * f0, x1.y * f1);
-            }
-          }
-          X::mma(acc[0], a, b[0], b[1]);
-          X::mma(acc[1], a, b[2], b[3]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int row = i * 16 + fr, col = j * 16 + nt * 8 + fc;
-          *reinterpret_cast<uint32_t*>(As + row * L.pa + col) = X::pack(acc[nt][0], acc[nt][1]);
-          *reinterpret_cast<uint32_t*>(As + (row + 8) * L.pa + col) = X::pack(acc[nt][2], acc[nt][3]);
-        }
+        // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
+        offdiag_block<DK, X>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * blk)) & 15, (0x010210 >> (4 * blk)) & 15,
+                             lane);
       }
 
       if constexpr (MMA_DIAG) {
@@ -639,41 +755,11 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     __syncthreads();
 
     // ---- 5. tensor-core phase: o^T = S^T qg^T + V^T A^T ; S^T = S^T 2^{b_last} + V^T kg ----
-    const int mi = lane >> 3;
-    uint32_t vf[4][4];  // V^T fragments (M = value rows of this warp, K = tokens)
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      ldsm_x4_trans(vf[kk], vs + (kk * 16 + (lane & 7) + (mi >> 1) * 8) * L.pv + vrow + (mi & 1) * 8);
-    }
+    uint32_t vf[4][4];
+    load_v_fragments(vf, vs, L.pv, vrow, lane);
     if (full && !(p.debug_skip & 16)) {
       float acc[8][4] = {};
-      const int nrow = (lane & 7) + (mi >> 1) * 8, ncol = (mi & 1) * 8;
-#pragma unroll
-      for (int kk = 0; kk < DK / 16; ++kk) {
-        uint32_t a[4];
-        a[0] = X::pack(S[2 * kk][0], S[2 * kk][1]);
-        a[1] = X::pack(S[2 * kk][2], S[2 * kk][3]);
-        a[2] = X::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]);
-        a[3] = X::pack(S[2 * kk + 1][2], S[2 * kk + 1][3]);
-#pragma unroll
-        for (int nt2 = 0; nt2 < 4; ++nt2) {
-          uint32_t b[4];
-          ldsm_x4(b, qw + (nt2 * 16 + nrow) * L.pq + kk * 16 + ncol);
-          X::mma(acc[2 * nt2], a, b[0], b[1]);
-          X::mma(acc[2 * nt2 + 1], a, b[2], b[3]);
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-        for (int nt2 = 0; nt2 < 4; ++nt2) {
-          if (kk > nt2) continue;  // A is zero above the diagonal
-          uint32_t b[4];
-          ldsm_x4(b, As + (nt2 * 16 + nrow) * L.pa + kk * 16 + ncol);
-          X::mma(acc[2 * nt2], vf[kk], b[0], b[1]);
-          X::mma(acc[2 * nt2 + 1], vf[kk], b[2], b[3]);
-        }
-      }
+      o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
       // o^T -> shared (over this stage's q, dead now) as [t][v].
       const float sc = p.scale;
 #pragma unroll
@@ -686,25 +772,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
         qs[(t + 1) * L.pq + vv + 8] = X::from_float(acc[nt][3] * sc);
       }
     }
-    // State update.
-#pragma unroll
-    for (int j = 0; j < NKT; ++j) {
-      const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
-      S[j][0] *= d0;
-      S[j][1] *= d1;
-      S[j][2] *= d0;
-      S[j][3] *= d1;
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-      for (int nt2 = 0; nt2 < DK / 16; ++nt2) {
-        uint32_t b[4];
-        ldsm_x4_trans(b, kw + (kk * 16 + (lane & 7) + (mi & 1) * 8) * L.pq + nt2 * 16 + (mi >> 1) * 8);
-        X::mma(S[2 * nt2], vf[kk], b[0], b[1]);
-        X::mma(S[2 * nt2 + 1], vf[kk], b[2], b[3]);
-      }
-    }
+    state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
     if (full) {
       __syncthreads();
       // o rows of this chunk: shared -> global.
@@ -732,19 +800,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
 
   // ---- the state out ----
   if (full) {
-    if (m == nseg - 1 && p.final_state != nullptr) {
-#pragma unroll
-      for (int j = 0; j < NKT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int vv = vrow + fr + (e >> 1) * 8;
-          const int kk = j * 8 + fc + (e & 1);
-          if (kk < p.K && v0 + vv < p.V) {
-            p.final_state[state_index(p.ht_stride, p.state_v_first, n, h, kk, v0 + vv)] = S[j][e];
-          }
-        }
-      }
-    }
+    if (m == nseg - 1 && p.final_state != nullptr) store_final_state<DK>(S, p, n, h, v0, vrow, lane);
   } else {
 #pragma unroll
     for (int j = 0; j < NKT; ++j) {

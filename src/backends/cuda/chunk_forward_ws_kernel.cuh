@@ -111,34 +111,10 @@ __device__ __forceinline__ void mbar_wait(void* b, uint32_t parity) {
 #endif
 }
 
-// Level copies for a split item (RS = 8 rows starting at an 8-aligned row, `base` = its first row
-// and column pair). Levels h <= 4: the blocks of 2h rows lie inside the 8 rows (as in
-// write_level_copy). h = 8: the 8 rows are the block's key members (first half, pivot its last row)
-// or its query members (second half, factors from its first row on).
-template <int H, typename X>
-__device__ __forceinline__ void write_level_rows(uint16_t* base, int pq, const uint32_t (&qv)[8], const uint32_t (&kv)[8],
-                                                 const float (&e0)[8], const float (&e1)[8]) {
-#pragma unroll
-  for (int b0 = 0; b0 < 8; b0 += 2 * H) {
-    const int piv = b0 + H - 1;
-    float f0 = 1.f, f1 = 1.f;
-#pragma unroll
-    for (int r = piv; r >= b0; --r) {
-      const float2 k = X::to_float2(kv[r]);
-      *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(k.x * f0, k.y * f1);
-      f0 *= e0[r];
-      f1 *= e1[r];
-    }
-    f0 = f1 = 1.f;
-#pragma unroll
-    for (int r = piv + 1; r < b0 + 2 * H; ++r) {
-      f0 *= e0[r];
-      f1 *= e1[r];
-      const float2 q = X::to_float2(qv[r]);
-      *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(q.x * f0, q.y * f1);
-    }
-  }
-}
+// The h = 8 level copy of a split item (8 rows at an 8-aligned row, `base` = its first row and
+// column pair): the 8 rows are the block's key members (first half, pivot its last row) or its query
+// members (second half, factors from its first row on). Levels h <= 4 lie inside the 8 rows and use
+// write_level_block.
 template <typename X>
 __device__ __forceinline__ void write_level_rows_h8(uint16_t* base, int pq, bool key_half, const uint32_t (&qv)[8],
                                                     const uint32_t (&kv)[8], const float (&e0)[8], const float (&e1)[8]) {
@@ -371,17 +347,18 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       }
       if (prep_math) {
         if constexpr (HALVES == 1) {
-          write_level_copy<8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)), L.pq, sub, k0, qv, kv, e0, e1);
-          write_level_copy<4, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)), L.pq, sub, k0, qv, kv, e0, e1);
-          write_level_copy<2, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)), L.pq, sub, k0, qv, kv, e0, e1);
+          const int at = sub * 16 * L.pq + k0;
+          write_level_block<8, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, qv, kv, e0, e1);
+          write_level_block<4, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, qv, kv, e0, e1);
+          write_level_block<2, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
         } else {
           uint16_t* base = nullptr;
           base = reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + (sub * 16 + row0) * L.pq + k0;
           write_level_rows_h8<X>(base, L.pq, hf == 0, qv, kv, e0, e1);
           base = reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + (sub * 16 + row0) * L.pq + k0;
-          write_level_rows<4, X>(base, L.pq, qv, kv, e0, e1);
+          write_level_block<4, 8, X>(base, L.pq, qv, kv, e0, e1);
           base = reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + (sub * 16 + row0) * L.pq + k0;
-          write_level_rows<2, X>(base, L.pq, qv, kv, e0, e1);
+          write_level_block<2, 8, X>(base, L.pq, qv, kv, e0, e1);
         }
       }
       if (prep_math) {
@@ -421,70 +398,15 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       // ---- A: off-diagonal blocks, the three level products, diagonal and h = 1 entries ----
       {
         constexpr int kTasks = 6 + 12;
-        const int mi = lane >> 3;
         for (int task = warp; task < kTasks && prep_math; task += NP / 32) {
           if (task < 6) {
             // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
-            const int i = (0x332321 >> (4 * task)) & 15, j = (0x010210 >> (4 * task)) & 15;
-            float acc[2][4] = {};
-            const int arow = i * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
-            const int brow = j * 16 + (lane & 7) + (mi >> 1) * 8, bcol = (mi & 1) * 8;
-#pragma unroll
-            for (int kk = 0; kk < DK / 16; ++kk) {
-              uint32_t a[4], b[4];
-              ldsm_x4(a, qw + arow * L.pq + kk * 16 + acol);
-              ldsm_x4(b, kw + brow * L.pq + kk * 16 + bcol);
-              if (i - j > 1) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                  const int kcol = kk * 16 + half * 8 + fc_of(lane);
-                  float s0 = 0.f, s1 = 0.f;
-                  for (int l = j + 1; l < i; ++l) {
-                    s0 += tot[l * DK + kcol];
-                    s1 += tot[l * DK + kcol + 1];
-                  }
-                  s0 = fast_exp2(s0);
-                  s1 = fast_exp2(s1);
-                  const float2 x0 = X::to_float2(a[half * 2]), x1 = X::to_float2(a[half * 2 + 1]);
-                  a[half * 2] = X::pack(x0.x * s0, x0.y * s1);
-                  a[half * 2 + 1] = X::pack(x1.x * s0, x1.y * s1);
-                }
-              }
-              X::mma(acc[0], a, b[0], b[1]);
-              X::mma(acc[1], a, b[2], b[3]);
-            }
-            const int fr = lane >> 2, fc = fc_of(lane);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-              const int row = i * 16 + fr, col = j * 16 + nt * 8 + fc;
-              *reinterpret_cast<uint32_t*>(As + row * L.pa + col) = X::pack(acc[nt][0], acc[nt][1]);
-              *reinterpret_cast<uint32_t*>(As + (row + 8) * L.pa + col) = X::pack(acc[nt][2], acc[nt][3]);
-            }
+            offdiag_block<DK, X>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
+                                 (0x010210 >> (4 * task)) & 15, lane);
           } else {
-            const int lt = task - 6, lsub = lt / 3, level = lt % 3, hh = 8 >> level;
-            const uint16_t* src = reinterpret_cast<const uint16_t*>(smem + L.lvl(level));
-            const int jb = lane & 7;
-            const int key_row = lsub * 16 + (jb / hh) * 2 * hh + (jb % hh);
-            const int arow = lsub * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int kk = 0; kk < DK / 16; kk += 2) {
-              uint32_t a0r[4], a1r[4], b[4];
-              ldsm_x4(a0r, src + arow * L.pq + kk * 16 + acol);
-              ldsm_x4(a1r, src + arow * L.pq + (kk + 1) * 16 + acol);
-              ldsm_x4(b, src + key_row * L.pq + kk * 16 + mi * 8);
-              X::mma(acc, a0r, b[0], b[1]);
-              X::mma(acc, a1r, b[2], b[3]);
-            }
-            const int fr = lane >> 2, fc = fc_of(lane);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int t = fr + (e >> 1) * 8, jj = fc + (e & 1);
-              const int s = (jj / hh) * 2 * hh + (jj % hh);
-              if (t / (2 * hh) == jj / hh && (t % (2 * hh)) >= hh) {
-                As[(lsub * 16 + t) * L.pa + lsub * 16 + s] = X::from_float(acc[e]);
-              }
-            }
+            const int level = (task - 6) % 3;
+            level_block<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(level)), L.pq, (task - 6) / 3,
+                               8 >> level, lane);
           }
         }
         if (tid < kChunk) {
@@ -576,30 +498,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     if (c_begin < c_end) issue_v(c_begin, static_cast<int>(c_begin & 1));
 
     float S[NKT][4];
-    {
-      const bool have_h0 = p.initial_state != nullptr;
-#pragma unroll
-      for (int j = 0; j < NKT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int vv = vrow + fr + (e >> 1) * 8;
-          const int kk = j * 8 + fc + (e & 1);
-          float x = 0.f;
-          if (have_h0 && kk < p.K && v0 + vv < p.V) {
-            x = p.initial_state[state_index(p.h0_stride, p.state_v_first, n, h, kk, v0 + vv)];
-          }
-          for (int64_t s = 0; s < m; ++s) {
-            const int64_t si = (n * sa.max_segments + s) * p.H + h;
-            const float d = sa.seg_decay[si * DK + kk];
-            const float loc = sa.seg_states[(si * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk];
-            x = fast_exp2(d) * x + loc;
-          }
-          S[j][e] = x;
-        }
-      }
-    }
+    load_initial_state<DK, BV>(S, p, sa, true, n, m, h, v0, vrow, lane);
 
-    const int mi = lane >> 3;
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int slot = static_cast<int>(c & 1);
       uint16_t* vs = reinterpret_cast<uint16_t*>(smem + L.v(slot));
@@ -612,11 +512,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       named_sync(kBarState, NS);  // v of chunk c landed; the other stage's last readers are done
       if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
 
-      uint32_t vf[4][4];  // V^T fragments (M = this warp's value rows, K = tokens)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        ldsm_x4_trans(vf[kk], vs + (kk * 16 + (lane & 7) + (mi >> 1) * 8) * L.pv + vrow + (mi & 1) * 8);
-      }
+      uint32_t vf[4][4];
+      load_v_fragments(vf, vs, L.pv, vrow, lane);
       // qg, kg, A, decay of chunk c are published
       if (use_mbar) {
         mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
@@ -627,52 +524,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       float acc[8][4] = {};
       const bool state_math = !(p.debug_skip & 32);  // profiling: 32 = loads, hand-offs, stores only
       if (state_math) {
-        const int nrow = (lane & 7) + (mi >> 1) * 8, ncol = (mi & 1) * 8;
-#pragma unroll
-        for (int kk = 0; kk < DK / 16; ++kk) {
-          uint32_t a[4];
-          a[0] = X::pack(S[2 * kk][0], S[2 * kk][1]);
-          a[1] = X::pack(S[2 * kk][2], S[2 * kk][3]);
-          a[2] = X::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]);
-          a[3] = X::pack(S[2 * kk + 1][2], S[2 * kk + 1][3]);
-#pragma unroll
-          for (int nt2 = 0; nt2 < 4; ++nt2) {
-            uint32_t b[4];
-            ldsm_x4(b, qw + (nt2 * 16 + nrow) * L.pq + kk * 16 + ncol);
-            X::mma(acc[2 * nt2], a, b[0], b[1]);
-            X::mma(acc[2 * nt2 + 1], a, b[2], b[3]);
-          }
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-          for (int nt2 = 0; nt2 < 4; ++nt2) {
-            if (kk > nt2) continue;  // A is zero above the diagonal
-            uint32_t b[4];
-            ldsm_x4(b, As + (nt2 * 16 + nrow) * L.pa + kk * 16 + ncol);
-            X::mma(acc[2 * nt2], vf[kk], b[0], b[1]);
-            X::mma(acc[2 * nt2 + 1], vf[kk], b[2], b[3]);
-          }
-        }
-      }
-      // State update: S^T = S^T diag(2^{b_last}) + V^T kg.
-#pragma unroll
-      for (int j = 0; j < NKT && state_math; ++j) {
-        const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
-        S[j][0] *= d0;
-        S[j][1] *= d1;
-        S[j][2] *= d0;
-        S[j][3] *= d1;
-      }
-#pragma unroll
-      for (int kk = 0; kk < 4 && state_math; ++kk) {
-#pragma unroll
-        for (int nt2 = 0; nt2 < DK / 16; ++nt2) {
-          uint32_t b[4];
-          ldsm_x4_trans(b, kw + (kk * 16 + (lane & 7) + (mi & 1) * 8) * L.pq + nt2 * 16 + (mi >> 1) * 8);
-          X::mma(S[2 * nt2], vf[kk], b[0], b[1]);
-          X::mma(S[2 * nt2 + 1], vf[kk], b[2], b[3]);
-        }
+        o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
+        state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
       }
       // Done with the slot.
       if (use_mbar) {
@@ -705,19 +558,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       }
     }
 
-    if (m == nseg - 1 && p.final_state != nullptr) {
-#pragma unroll
-      for (int j = 0; j < NKT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int vv = vrow + fr + (e >> 1) * 8;
-          const int kk = j * 8 + fc + (e & 1);
-          if (kk < p.K && v0 + vv < p.V) {
-            p.final_state[state_index(p.ht_stride, p.state_v_first, n, h, kk, v0 + vv)] = S[j][e];
-          }
-        }
-      }
-    }
+    if (m == nseg - 1 && p.final_state != nullptr) store_final_state<DK>(S, p, n, h, v0, vrow, lane);
   }
 }
 
