@@ -214,6 +214,15 @@ inline void load_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t L
     for (int64_t j = 0; j < G; ++j) load_row(x, element_offset(x, batch, t0 + r, h0 + j, d0), stride, cols, dst + j * tile + r * ld);
   }
 }
+// dst[0, n) = src[0, n): streaming stores where there are (a buffer written now, read much later).
+inline void copy_out(const float* src, int64_t n, float* dst) {
+#ifdef GLA_CPU_HAVE_STREAM_STORE
+  stream_row(dst, src, n);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+#endif
+}
 inline void store_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t L, int64_t h0, int64_t G, int64_t d0,
                         int64_t cols, const float* src, int64_t tile, int64_t ld) {
 #ifdef GLA_CPU_HAVE_STREAM_STORE
@@ -1304,12 +1313,18 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
   const bool want_dqk = has(p.dq) || has(p.dk) || has(p.dg);
   const int64_t nchunks = (sp.length + C - 1) / C;
   const int64_t states_per_head = max_chunks_per_sequence(p, C) * kv;
-  // Pass 1: the chunk-start states of every head in the group.
+  // Pass 1: the chunk-start states of every head in the group, kept transposed (V x K): see
+  // state_step_transposed. Each head's running state stays in a cache-resident tile (t.S) and is
+  // copied out to `states` with streaming stores: stepping it in place in `states` read every
+  // 64 KiB destination from memory first (read for ownership). The last state is read from the
+  // tile in pass 2.
+  const auto hot = [&](int64_t j) { return t.S + j * kv; };
   if (want_dqk || has(p.dv)) {
     if (nchunks > 0) {
-      for (int64_t j = 0; j < G; ++j) {  // kept transposed (V x K): see state_step_transposed
-        load_initial_state(p, n, h0 + j, 0, V, t.S);
-        transpose(K, V, t.S, V, t.states + j * states_per_head, K);
+      for (int64_t j = 0; j < G; ++j) {
+        load_initial_state(p, n, h0 + j, 0, V, t.dS);  // dS is free until pass 2
+        transpose(K, V, t.dS, V, hot(j), K);
+        if (nchunks > 1) copy_out(hot(j), kv, t.states + j * states_per_head);
       }
     }
     for (int64_t c = 0; c + 1 < nchunks; ++c) {
@@ -1321,10 +1336,10 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
       }
       GLA_PROF(13, "B1 state");
       for (int64_t j = 0; j < G; ++j) {
-        float *b = t.b + j * ck, *blo = t.blo + j * ck, *st = t.states + j * states_per_head;
+        float *b = t.b + j * ck, *blo = t.blo + j * ck;
         cumsum_gate_rows(p.gate_per_head, L, K, b, blo, t.rund);
-        state_step_transposed(L, K, V, t.k + j * ck, Gates{b, blo, K}, t.v + j * cv, st + c * kv, st + (c + 1) * kv, t.kl,
-                              t.run);
+        state_step_transposed(L, K, V, t.k + j * ck, Gates{b, blo, K}, t.v + j * cv, hot(j), hot(j), t.kl, t.run);
+        if (c + 2 < nchunks) copy_out(hot(j), kv, t.states + j * states_per_head + (c + 1) * kv);
       }
     }
   }
@@ -1376,7 +1391,8 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
           std::memset(dk, 0, static_cast<size_t>(L * K) * 4);
           intra_dqk(L, K, C, q, kt, gates, t.dA, t.wd, dq, dk, t.dqk);}
           GLA_PROF(20, "B2 inter");
-          inter_dqkg(L, K, V, scale, q, kt, v, gates, dout, t.states + j * states_per_head + c * kv, dS, dq, dk,
+          const float* St = c == nchunks - 1 ? hot(j) : t.states + j * states_per_head + c * kv;
+          inter_dqkg(L, K, V, scale, q, kt, v, gates, dout, St, dS, dq, dk,
                      has(p.dg) ? dg : nullptr, t.inter, decay);
           add_self_terms(L, K, C, q, kt, t.dA, dq, dk);
           if (has(p.dg) && p.gate_per_head) {  // dg of a per-head gate: the sum over K, into column 0
