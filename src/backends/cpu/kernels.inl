@@ -1073,6 +1073,17 @@ inline void inter_dqkg(int64_t L, int64_t K, int64_t V, float scale, const float
                        const Gates& g, const float* dout, const float* St, const float* dS, float* dq, float* dk,
                        float* dg, const InterScratch& s, const DecayRows& d = {}) {
   transpose(K, V, dS, V, s.dst, K);
+  // rowsum(S_c ⊙ dS) for dg, from the transposed tiles: column sums of St ⊙ dS^T, into s.e's first
+  // row. With the decay rows given (s.e otherwise unused) it goes first: St, written in pass 1 and
+  // out of cache since, is then read front to back once (prefetcher-friendly) before the dq
+  // product reads it in panels.
+  float* rs = s.e;
+  const bool rs_first = dg && d.from_start && d.to_end;
+  const auto rowsum = [&] {
+    std::memset(rs, 0, static_cast<size_t>(K) * 4);
+    for (int64_t vv = 0; vv < V; ++vv) fma_inplace(K, rs, St + vv * K, s.dst + vv * K);
+  };
+  if (rs_first) rowsum();
   // dq
   gemm(L, K, V, dout, V, 1, St, K, s.tmp, K, false);
   for (int64_t r = 0; r < L; ++r) {
@@ -1094,10 +1105,7 @@ inline void inter_dqkg(int64_t L, int64_t K, int64_t V, float scale, const float
     }
   }
   if (dg) {
-    // rowsum(S_c ⊙ dS) from the transposed tiles: column sums of St ⊙ dS^T, into s.e's first row
-    float* rs = s.e;
-    std::memset(rs, 0, static_cast<size_t>(K) * 4);
-    for (int64_t vv = 0; vv < V; ++vv) fma_inplace(K, rs, St + vv * K, s.dst + vv * K);
+    if (!rs_first) rowsum();
     exp2_rows(g, L - 1, -1, s.base);
     mul_inplace(K, s.base, rs);
     double* __restrict acc = s.acc;
