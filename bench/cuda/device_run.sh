@@ -26,6 +26,11 @@ for step in "$@"; do
     skips) for m in 1 2 4 8 16 3 31; do echo "skip $m"; GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips.log" ;;
     ncu) ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters -k regex:chunk_forward -c 1 ./build-cuda/harness bench 8x4096x16x128 2>&1 | tee "$LOG/ncu.log" | grep -v "^==PROF" | tail -60
       ncu --clock-control none --set full --import-source no -k regex:chunk_forward_ws -c 1 -o "$LOG/ws_profile" ./build-cuda/harness bench 8x4096x16x128 > /dev/null 2>&1; ls -la "$LOG"/ws_profile* ;;
+    ncusrc) # per-SASS-instruction stall samples of the ws kernel at B8 (the source page as CSV)
+      ncu --clock-control none --set full --import-source no -k regex:chunk_forward_ws -c 1 -o "$LOG/ws" ./build-cuda/harness bench 8x4096x16x128 > "$LOG/ncu_run.log" 2>&1
+      ncu -i "$LOG/ws.ncu-rep" --page source --csv --print-source sass > "$LOG/ws_sass.csv" 2> "$LOG/ws_sass.err"; wc -l "$LOG/ws_sass.csv"; head -c 600 "$LOG/ws_sass.err"
+      ncu -i "$LOG/ws.ncu-rep" --page details > "$LOG/ws_details.txt" 2>&1; grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy" "$LOG/ws_details.txt" | head -12
+      rm -f "$LOG/ws.ncu-rep" ;;
     sanitize) export GLA_CHECK_SMALL=1
       timeout 240 compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$LOG/memcheck.log"
       # racecheck does not model bar.arrive's release: the warp-specialised kernel runs its READY
@@ -56,13 +61,18 @@ for step in "$@"; do
       GLA_CUDA_KERNEL=ws-split timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_split.log" | grep -v "^ok "
       grep -c "chunk-ws-split" "$LOG/check_split.log"
       for v in ws-split auto; do GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 4x8192x32x64 8x4096x16x64; done 2>&1 | tee "$LOG/bench_split.log" ;;
+    split128) # the split-item kernel at K = 128 (768 threads), against the unsplit one; two register splits
+      GLA_CUDA_KERNEL=ws-split timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_split128.log" | grep -v "^ok "
+      for v in ws ws-split auto; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done 2>&1 | tee "$LOG/bench_split128.log"
+      [ -x build-cuda/harness_r64 ] && GLA_CUDA_KERNEL=ws-split ./build-cuda/harness_r64 bench 8x4096x16x128 1x32768x16x128 32x1024x16x128 2>&1 | tee "$LOG/bench_r64.log"
+      for m in 32 64 96; do echo "skip $m"; GLA_CUDA_KERNEL=ws-split GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips_split.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
       for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log"
       # the kernel with the mbarrier hand-off: correctness, speed, racecheck
       if [ -x build-cuda/harness_mbar ]; then
         ./build-cuda/harness_mbar check 2>&1 | tee "$LOG/check_mbar.log" | tail -1
         ./build-cuda/harness_mbar bench 8x4096x16x128 4x8192x32x64 2>&1 | tee "$LOG/bench_mbar.log"
-        GLA_CHECK_SMALL=1 timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness_mbar check 2>&1 | tail -2 | tee "$LOG/racecheck_mbar.log"
+        GLA_CHECK_SMALL=1 timeout 150 compute-sanitizer --tool racecheck ./build-cuda/harness_mbar check 2>&1 | tail -2 | tee "$LOG/racecheck_mbar.log"
       fi ;;
     *) echo "unknown step $step" ;;
   esac

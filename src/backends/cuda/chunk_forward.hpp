@@ -46,9 +46,9 @@ struct ForwardParams {
   int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
   int32_t debug_skip;    // profiling only (0 in production): bit mask of chunk-kernel phases to skip
   // Which chunk kernel the planner may pick (GLA_CUDA_KERNEL): 0 auto (the warp-specialised kernel
-  // where it applies, else the tensor-core-diagonal one), 1 mma-diag, 2 plain (element-wise
-  // diagonal blocks), 3 ws-split (the warp-specialised kernel with split element-wise items at
-  // K <= 64; not yet validated on a GPU). Kept for A/B timing and as a fallback.
+  // where it applies -- with split element-wise items at K <= 64 --, else the tensor-core-diagonal
+  // one), 1 mma-diag, 2 plain (element-wise diagonal blocks), 3 ws-split (the warp-specialised
+  // kernel with split element-wise items), 4 ws (without). Kept for A/B timing and as a fallback.
   int32_t kernel_variant;
 };
 

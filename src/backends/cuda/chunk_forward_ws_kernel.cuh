@@ -32,7 +32,7 @@ namespace gla::cuda::detail {
 // Shared-memory layout (bytes) of the warp-specialised kernel. Indexed buffers are base + i * step
 // (no arrays: a struct indexed at run time would live in local memory).
 struct WsSmem {
-  int pq, pv, pa, pg;
+  int pq, pv, pa, pr;       // pitches (elements): tiles read by ldmatrix (padded), v, A, raw stage
   int q, k, g;              // raw stage
   int lvl0, lvl_step;       // level copies h = 8, 4, 2
   int v0, v_step;           // two v stages
@@ -48,18 +48,23 @@ struct WsSmem {
   __host__ __device__ int a(int i) const { return slot0 + i * slot_step + s_a; }
   __host__ __device__ int dfac(int i) const { return slot0 + i * slot_step + s_dfac; }
 };
+// Per prep warp: RS row sums of q.k, then RS/2 pair sums (RS = 16 / halves rows per item).
+__host__ __device__ constexpr int ws_dpart_stride(int halves) { return (16 / halves) * 3 / 2; }
 // halves = 2: the split-item variant (two prep threads per element-wise item, 8 rows each).
 __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
   WsSmem s{};
   s.pq = dk + 8;
   s.pv = dk + 8;
   s.pa = kChunk + 8;
-  s.pg = dk + 8;
+  // The raw stage is only read row-wise (a warp reads 32 column pairs of one row, conflict-free at
+  // any pitch), never by ldmatrix: no padding. That is what lets the split-item variant fit at DK = 128.
+  s.pr = dk;
   const int tile = kChunk * s.pq * 2;
+  const int raw = kChunk * s.pr * 2;
   int off = 0;
-  s.q = off; off += tile;
-  s.k = off; off += tile;
-  s.g = off; off += per_head ? kChunk * 4 : kChunk * s.pg * 2;
+  s.q = off; off += raw;
+  s.k = off; off += raw;
+  s.g = off; off += per_head ? kChunk * 4 : raw;
   s.lvl0 = off; s.lvl_step = tile; off += 3 * tile;
   s.v0 = off; s.v_step = kChunk * s.pv * 2; off += 2 * s.v_step;
   s.s_qw = 0;
@@ -69,7 +74,7 @@ __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halv
   s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
   s.tot = off; off += 4 * dk * 4;
   s.htot = off; off += halves == 2 ? 8 * dk * 4 : 0;
-  s.dpart = off; off += (2 * dk * halves / 32) * 24 * 4;
+  s.dpart = off; off += (2 * dk * halves / 32) * ws_dpart_stride(halves) * 4;
   off = (off + 7) & ~7;
   s.mbar = off; off += 4 * 8;
   s.total = off;
@@ -138,13 +143,19 @@ __device__ __forceinline__ void write_level_rows_h8(uint16_t* base, int pq, bool
   }
 }
 
+// Register split of the 768-thread split-item kernel at DK = 128 (launched with 80 per thread:
+// 512 prep threads give up registers to the 256 state threads, which hold S^T).
+#ifndef GLA_WS768_PREP_REGS
+#define GLA_WS768_PREP_REGS "56"
+#define GLA_WS768_STATE_REGS "128"
+#endif
 // Barrier ids (0 is __syncthreads).
 constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 
-// RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk), the measured
-// default. 8 (split items, opt-in GLA_CUDA_KERNEL=ws-split, D = 64 only; not yet run on a GPU): two
-// prep threads per item, each with 8 rows, exchanging their half totals through shared memory; twice
-// the prep warps for the same work, to cut the prep group's serial latency, which bounds the kernel.
+// RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk). 8 (split
+// items): two prep threads per item, each with 8 rows, exchanging their half totals through shared
+// memory; twice the prep warps for the same work, to cut the prep group's serial latency, which
+// bounds the kernel (1.50x faster at DK = 64, the default there; at DK = 128 768 threads, opt-in).
 template <int DK, typename E, int RS = 16>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
@@ -157,6 +168,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   constexpr int NT = NP + NS;
   constexpr int NKT = DK / 8;
   constexpr int kWarpsPerItemRow = DK / 64;  // warps per (sub-chunk, half): DK/2 column pairs
+  constexpr int DPS = ws_dpart_stride(HALVES);
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -201,6 +213,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     // =============================== prep group ===============================
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (NT == 512) asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::);
+    if constexpr (NT == 768) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS768_PREP_REGS ";\n" ::);
 #endif
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem + L.q);
     uint16_t* ks = reinterpret_cast<uint16_t*>(smem + L.k);
@@ -212,29 +225,40 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     const int sub = q2 / HALVES, hf = q2 % HALVES, row0 = hf * RS;
     float* htot = reinterpret_cast<float*>(smem + L.htot);
 
+    // Loads: each thread always copies the same 16-byte column group lc of rows lr0 + j kRowStep,
+    // so its addresses are set up once here and only advance by a chunk of rows per call (the
+    // per-element index arithmetic was ~13% of the prep group's instructions).
+    constexpr int CPR = DK / 8, kRowStep = NP / CPR, kLoadIters = kChunk / kRowStep;
+    static_assert(NP % CPR == 0 && kChunk % kRowStep == 0, "load tiling");
+    const int lc = tid % CPR, lr0 = tid / CPR;
+    const bool col_ok = lc * 8 < p.K;
+    const int64_t q_rs = p.q_stride[1] * esz, k_rs = p.k_stride[1] * esz, g_rs = p.g_stride[1] * gate_bytes;
+    const char* q_seq = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + seq.bos * p.q_stride[1] + h * p.q_stride[2] + lc * 8) * esz;
+    const char* k_seq = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + seq.bos * p.k_stride[1] + h * p.k_stride[2] + lc * 8) * esz;
+    const char* g_seq = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + seq.bos * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
     auto issue_loads = [&](int64_t chunk) {
-      const int64_t t0 = seq.bos + chunk * kChunk;
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
-      const char* qb = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + t0 * p.q_stride[1] + h * p.q_stride[2]) * esz;
-      const char* kb = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + t0 * p.k_stride[1] + h * p.k_stride[2]) * esz;
-      const char* gb = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + t0 * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
-      constexpr int CPR = DK / 8;
-      for (int i = tid; i < kChunk * CPR; i += NP) {
-        const int r = i / CPR, c = i % CPR;
-        const bool ok = r < rows && c * 8 < p.K;
-        cp_async16(smem + L.q + (r * L.pq + c * 8) * 2, ok ? qb + (r * p.q_stride[1] + c * 8) * esz : qb, ok);
-        cp_async16(smem + L.k + (r * L.pq + c * 8) * 2, ok ? kb + (r * p.k_stride[1] + c * 8) * esz : kb, ok);
-        if (!per_head) {
-          cp_async16(smem + L.g + (r * L.pg + c * 8) * 2, ok ? gb + (r * p.g_stride[1] + c * 8) * 2 : gb, ok);
-        }
+      const int64_t r0 = chunk * kChunk + lr0;
+      const char* qr = q_seq + r0 * q_rs;
+      const char* kr = k_seq + r0 * k_rs;
+      const char* gr = g_seq + r0 * g_rs + lc * 16;
+#pragma unroll
+      for (int j = 0; j < kLoadIters; ++j) {
+        const int r = lr0 + j * kRowStep;
+        const bool ok = col_ok && r < rows;
+        const int so = (r * L.pr + lc * 8) * 2;
+        cp_async16(smem + L.q + so, ok ? qr + j * kRowStep * q_rs : p.q, ok);
+        cp_async16(smem + L.k + so, ok ? kr + j * kRowStep * k_rs : p.k, ok);
+        if (!per_head) cp_async16(smem + L.g + so, ok ? gr + j * kRowStep * g_rs : p.g, ok);
       }
+      const char* gb = g_seq + chunk * kChunk * g_rs;
       if (per_head) {
         for (int r = tid; r < kChunk; r += NP) {
           const bool ok = r < rows;
           if (gate_bytes == 4) {
-            reinterpret_cast<float*>(gs)[r] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1]] : 0.f;
+            reinterpret_cast<float*>(gs)[r] = ok ? *reinterpret_cast<const float*>(gb + r * g_rs) : 0.f;
           } else {
-            reinterpret_cast<uint16_t*>(gs)[r] = ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1]] : uint16_t(0);
+            reinterpret_cast<uint16_t*>(gs)[r] = ok ? *reinterpret_cast<const uint16_t*>(gb + r * g_rs) : uint16_t(0);
           }
         }
       }
@@ -264,7 +288,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           g0 = g1 = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[t]
                                     : X::to_float(reinterpret_cast<const uint16_t*>(gs)[t]);
         } else {
-          const float2 gv = X::to_float2(*reinterpret_cast<const uint32_t*>(gs + (t * L.pg + k0) * 2));
+          const float2 gv = X::to_float2(*reinterpret_cast<const uint32_t*>(gs + (t * L.pr + k0) * 2));
           g0 = gv.x;
           g1 = gv.y;
         }
@@ -274,8 +298,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         a1 += g1;
         e0[r] = fast_exp2(g0);
         e1[r] = fast_exp2(g1);
-        qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pq + k0);
-        kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pq + k0);
+        qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pr + k0);
+        kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pr + k0);
       }
       if constexpr (HALVES == 1) {
         tot[sub * DK + k0] = a0;
@@ -363,7 +387,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       }
       if (prep_math) {
         // Reduce dg (RS rows) and pr (RS/2 pairs) over the warp: half-exchange, then butterflies.
-        // dpart per warp: 16 slots of row sums (RS used), then 8 of pair sums (RS/2 used).
+        // dpart per warp (stride DPS): RS row sums, then RS/2 pair sums.
         constexpr int HV = RS / 2, HP = RS / 4;
         const bool upper = (lane & 16) != 0;
         float hv[HV], hp[HP];
@@ -388,9 +412,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
         if ((lane & 15) == 0) {
 #pragma unroll
-          for (int i = 0; i < HV; ++i) dpart[warp * 24 + (upper ? HV : 0) + i] = hv[i];
+          for (int i = 0; i < HV; ++i) dpart[warp * DPS + (upper ? HV : 0) + i] = hv[i];
 #pragma unroll
-          for (int i = 0; i < HP; ++i) dpart[warp * 24 + 16 + (upper ? HP : 0) + i] = hp[i];
+          for (int i = 0; i < HP; ++i) dpart[warp * DPS + RS + (upper ? HP : 0) + i] = hp[i];
         }
       }
       named_sync(kBarPrep, NP);
@@ -416,8 +440,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           float sd = 0.f, sp = 0.f;
 #pragma unroll
           for (int w = 0; w < kWarpsPerItemRow; ++w) {
-            sd += dpart[(wq + w) * 24 + lr];
-            sp += dpart[(wq + w) * 24 + 16 + (lr >> 1)];
+            sd += dpart[(wq + w) * DPS + lr];
+            sp += dpart[(wq + w) * DPS + RS + (lr >> 1)];
           }
           As[t * L.pa + t] = X::from_float(sd);
           if (r & 1) As[t * L.pa + t - 1] = X::from_float(sp);
@@ -478,20 +502,27 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     // =============================== state group ===============================
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (NT == 512) asm volatile("setmaxnreg.inc.sync.aligned.u32 144;\n" ::);
+    if constexpr (NT == 768) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS768_STATE_REGS ";\n" ::);
 #endif
     const int stid = tid - NP, swarp = warp - NP / 32;
     const int fr = lane >> 2, fc = fc_of(lane);
     const int vrow = swarp * 16;
 
+    // v loads, set up once per thread like the prep group's (column group lc, rows lr0 + j kRowStep).
+    constexpr int VPR = BV / 8, kRowStep = NS / VPR, kLoadIters = kChunk / kRowStep;
+    static_assert(NS % VPR == 0 && kChunk % kRowStep == 0, "load tiling");
+    const int lc = stid % VPR, lr0 = stid / VPR;
+    const bool col_ok = v0 + lc * 8 < p.V;
+    const int64_t v_rs = p.v_stride[1] * esz;
+    const char* v_seq = static_cast<const char*>(p.v) + (seq.batch * p.v_stride[0] + seq.bos * p.v_stride[1] + h * p.v_stride[2] + v0 + lc * 8) * esz;
     auto issue_v = [&](int64_t chunk, int stage) {
-      const int64_t t0 = seq.bos + chunk * kChunk;
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
-      const char* vb = static_cast<const char*>(p.v) + (seq.batch * p.v_stride[0] + t0 * p.v_stride[1] + h * p.v_stride[2] + v0) * esz;
-      constexpr int VPR = BV / 8;
-      for (int i = stid; i < kChunk * VPR; i += NS) {
-        const int r = i / VPR, c = i % VPR;
-        const bool ok = r < rows && v0 + c * 8 < p.V;
-        cp_async16(smem + L.v(stage) + (r * L.pv + c * 8) * 2, ok ? vb + (r * p.v_stride[1] + c * 8) * esz : vb, ok);
+      const char* vr = v_seq + (chunk * kChunk + lr0) * v_rs;
+#pragma unroll
+      for (int j = 0; j < kLoadIters; ++j) {
+        const int r = lr0 + j * kRowStep;
+        const bool ok = col_ok && r < rows;
+        cp_async16(smem + L.v(stage) + (r * L.pv + lc * 8) * 2, ok ? vr + j * kRowStep * v_rs : p.v, ok);
       }
       cp_async_commit();
     };

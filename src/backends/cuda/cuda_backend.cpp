@@ -145,14 +145,15 @@ cuda::ForwardParams make_params(const gla_problem& p) {
     for (int i = 0; i < 3; ++i) vec = vec && p.g.strides[i] % 8 == 0;
   }
   f.vector_loads = vec ? 1 : 0;
-  // GLA_CUDA_KERNEL=mma-diag | plain | ws-split: steer the planner's kernel choice (A/B timing,
-  // fallback, the unvalidated split-item variant);
+  // GLA_CUDA_KERNEL=mma-diag | plain | ws | ws-split: steer the planner's kernel choice (A/B
+  // timing, fallback);
   // unset or "auto": the fastest kernel that serves the problem.
   static const int variant = [] {
     const char* v = std::getenv("GLA_CUDA_KERNEL");
     if (v && std::strcmp(v, "mma-diag") == 0) return 1;
     if (v && std::strcmp(v, "plain") == 0) return 2;
     if (v && std::strcmp(v, "ws-split") == 0) return 3;
+    if (v && std::strcmp(v, "ws") == 0) return 4;
     return 0;
   }();
   f.kernel_variant = variant;
@@ -169,7 +170,7 @@ cuda::ForwardPlan cached_plan(const cuda::ForwardParams& f, const gla_problem& p
     hash *= 1099511628211ull;
   }
   const int sm_count = device_info(p.device_index).sm_count;
-  const Key key{p.device_index * 4 + f.kernel_variant, f.N, f.H, f.K, f.V, f.T, f.dtype, f.gate_dtype, f.gate_per_head, hash};
+  const Key key{p.device_index * 8 + f.kernel_variant, f.N, f.H, f.K, f.V, f.T, f.dtype, f.gate_dtype, f.gate_per_head, hash};
   static std::mutex mutex;
   static std::map<Key, cuda::ForwardPlan> cache;
   {
