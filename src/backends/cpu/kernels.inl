@@ -229,6 +229,19 @@ inline void store_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t 
   // fp32 rows go out with streaming stores (2-4% on B1 T4096 H16 D128, forward and backward;
   // plain stores in the backward measured 2-7% slower again on 2026-11-30).
   if (x.dtype == GLA_DTYPE_F32 && x.rank == 4 && x.strides[3] == 1 && cols >= 32) {
+    // Neighbouring heads' rows that are neighbours in memory go out as one run: a destination not
+    // 64-byte aligned (malloc'ed buffers start 16 bytes into a page) then has two partial lines
+    // per run, written with plain stores (a read for ownership each), instead of two per head.
+    constexpr int64_t kRun = 2048;
+    if (G > 1 && x.strides[2] == cols && G * cols <= kRun) {
+      alignas(64) float run[kRun];
+      for (int64_t r = 0; r < L; ++r) {
+        for (int64_t j = 0; j < G; ++j) std::memcpy(run + j * cols, src + j * tile + r * ld, static_cast<size_t>(cols) * 4);
+        stream_row(static_cast<float*>(x.data) + element_offset(x, batch, t0 + r, h0, d0), run, G * cols);
+      }
+      _mm_sfence();
+      return;
+    }
     for (int64_t r = 0; r < L; ++r) {
       for (int64_t j = 0; j < G; ++j) {
         stream_row(static_cast<float*>(x.data) + element_offset(x, batch, t0 + r, h0 + j, d0), src + j * tile + r * ld, cols);
