@@ -278,7 +278,8 @@ template <int DK, typename X>
 __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16_t* qw, const uint16_t* kw, int pq,
                                               const float* tot, int i, int j, int lane) {
   const int mi = lane >> 3, fr = lane >> 2, fc = fc_of(lane);
-  float acc[2][4] = {};
+  // Even and odd k-steps accumulate separately: four independent mma chains instead of two.
+  float acc[2][2][4] = {};
   const int arow = i * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
   const int brow = j * 16 + (lane & 7) + (mi >> 1) * 8, bcol = (mi & 1) * 8;
 #pragma unroll
@@ -303,14 +304,17 @@ __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16
         a[half * 2 + 1] = X::pack(x1.x * f0, x1.y * f1);
       }
     }
-    X::mma(acc[0], a, b[0], b[1]);
-    X::mma(acc[1], a, b[2], b[3]);
+    X::mma(acc[kk & 1][0], a, b[0], b[1]);
+    X::mma(acc[kk & 1][1], a, b[2], b[3]);
   }
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const int row = i * 16 + fr, col = j * 16 + nt * 8 + fc;
-    *reinterpret_cast<uint32_t*>(As + row * pa + col) = X::pack(acc[nt][0], acc[nt][1]);
-    *reinterpret_cast<uint32_t*>(As + (row + 8) * pa + col) = X::pack(acc[nt][2], acc[nt][3]);
+    float r[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) r[e] = acc[0][nt][e] + acc[1][nt][e];
+    *reinterpret_cast<uint32_t*>(As + row * pa + col) = X::pack(r[0], r[1]);
+    *reinterpret_cast<uint32_t*>(As + (row + 8) * pa + col) = X::pack(r[2], r[3]);
   }
 }
 
@@ -324,7 +328,8 @@ __device__ __forceinline__ void level_block(uint16_t* As, int pa, const uint16_t
   const int jb = lane & 7;
   const int key_row = sub * 16 + (jb / h) * 2 * h + (jb % h);  // gathered key member
   const int arow = sub * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  // Two independent mma chains (even and odd k-steps), summed at the end.
+  float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int kk = 0; kk < DK / 16; kk += 2) {
     uint32_t a0[4], a1[4], b[4];
@@ -332,8 +337,10 @@ __device__ __forceinline__ void level_block(uint16_t* As, int pa, const uint16_t
     ldsm_x4(a1, src + arow * pq + (kk + 1) * 16 + acol);
     ldsm_x4(b, src + key_row * pq + kk * 16 + mi * 8);
     X::mma(acc, a0, b[0], b[1]);
-    X::mma(acc, a1, b[2], b[3]);
+    X::mma(acc1, a1, b[2], b[3]);
   }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] += acc1[e];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int t = fr + (e >> 1) * 8, j = fc + (e & 1);

@@ -421,16 +421,45 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
       // ---- A: off-diagonal blocks, the three level products, diagonal and h = 1 entries ----
       {
-        constexpr int kTasks = 6 + 12;
-        for (int task = warp; task < kTasks && prep_math; task += NP / 32) {
-          if (task < 6) {
-            // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
-            offdiag_block<DK, X>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
-                                 (0x010210 >> (4 * task)) & 15, lane);
+        // 6 off-diagonal blocks (DK/16 mma pairs each) and 12 level products (sub-chunk x level,
+        // DK/32 pairs each): 24 units, spread evenly over the prep warps -- 8 warps: an
+        // off-diagonal block and a level each, or three levels; 16: one block or two levels; 4: two
+        // blocks and two levels, or six levels. (Round-robin gave two of 8 warps 4 units.)
+        auto offdiag = [&](int task) {
+          // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
+          offdiag_block<DK, X>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
+                               (0x010210 >> (4 * task)) & 15, lane);
+        };
+        auto level = [&](int task) {
+          level_block<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
+                             8 >> (task % 3), lane);
+        };
+        constexpr int NW = NP / 32;
+        static_assert(NW == 4 || NW == 8 || NW == 16, "A task split");
+        if (prep_math) {
+          if constexpr (NW == 16) {
+            if (warp < 6) {
+              offdiag(warp);
+            } else if (warp < 12) {
+              level(2 * (warp - 6));
+              level(2 * (warp - 6) + 1);
+            }
+          } else if constexpr (NW == 8) {
+            if (warp < 6) {
+              offdiag(warp);
+              level(warp);
+            } else {
+              for (int i = 0; i < 3; ++i) level(6 + 3 * (warp - 6) + i);
+            }
           } else {
-            const int level = (task - 6) % 3;
-            level_block<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(level)), L.pq, (task - 6) / 3,
-                               8 >> level, lane);
+            if (warp < 3) {
+              offdiag(2 * warp);
+              offdiag(2 * warp + 1);
+              level(2 * warp);
+              level(2 * warp + 1);
+            } else {
+              for (int i = 6; i < 12; ++i) level(i);
+            }
           }
         }
         if (tid < kChunk) {
