@@ -19,9 +19,7 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
     if (err != cudaSuccess) return err;
     raised = L.total;
   }
-  // max_segments < 0: only pass 1 (the warp-specialised kernel runs pass 2).
-  const bool pass1_only = plan.max_segments < 0;
-  const int64_t max_segments = pass1_only ? -plan.max_segments : plan.max_segments;
+  const int64_t max_segments = plan.max_segments;
   SegmentArgs sa{};
   sa.segment_chunks = plan.segment_chunks;
   sa.max_segments = max_segments;
@@ -36,42 +34,43 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
     sa.pass = 1;
     kernel<<<grid, BV * 2, L.total, stream>>>(p, sa);
     cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess || pass1_only) return err;
+    if (err != cudaSuccess) return err;
   }
   sa.pass = 2;
   kernel<<<grid, BV * 2, L.total, stream>>>(p, sa);
   return cudaGetLastError();
 }
 
-// The warp-specialised kernel (pass 2; pass 1 of a segment split runs the plain kernel).
+// The warp-specialised kernel (both passes of a segment split).
 template <int DK, typename E, int RS = 16>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
   const WsSmem L = ws_smem_layout(DK, p.gate_per_head != 0, 16 / RS);
-  auto kernel = chunk_forward_ws_kernel<DK, E, RS>;
+  auto kernel = chunk_forward_ws_kernel<DK, E, RS, false>;
+  auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, true>;
   static int raised = 0;
   if (raised < L.total) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
+    if (err == cudaSuccess) err = cudaFuncSetAttribute(local_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
     if (err != cudaSuccess) return err;
     raised = L.total;
-  }
-  if (plan.max_segments > 1) {
-    ForwardPlan pass1 = plan;
-    pass1.max_segments = -plan.max_segments;  // marks "pass 1 only" for run_chunk
-    cudaError_t err = run_chunk<DK, DK, E, false>(p, pass1, workspace, stream);
-    if (err != cudaSuccess) return err;
   }
   SegmentArgs sa{};
   sa.segment_chunks = plan.segment_chunks;
   sa.max_segments = plan.max_segments;
   sa.value_tiles = plan.value_tiles;
-  sa.pass = 2;
+  const dim3 grid(static_cast<unsigned>(p.N * plan.max_segments), static_cast<unsigned>(p.H * plan.value_tiles));
   if (plan.max_segments > 1) {
     sa.seg_states = static_cast<float*>(workspace);
     const size_t states = size_t(p.N) * plan.max_segments * p.H * size_t(plan.value_tiles) * DK * DK;
     sa.seg_decay = sa.seg_states + states;
+    // Pass 1 (the segments' local states) on the same kernel: k, g, v and the state update only.
+    sa.pass = 1;
+    local_kernel<<<grid, kThreads, L.total, stream>>>(p, sa);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
   }
-  const dim3 grid(static_cast<unsigned>(p.N * plan.max_segments), static_cast<unsigned>(p.H * plan.value_tiles));
+  sa.pass = 2;
   kernel<<<grid, kThreads, L.total, stream>>>(p, sa);
   return cudaGetLastError();
 }

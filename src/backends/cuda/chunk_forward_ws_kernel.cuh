@@ -21,8 +21,8 @@
 // that keeps the CTA within 227 KB of shared memory at DK = 128.
 //
 // Scope: DK = BV (64 or 128), 16-bit q/k/v, 16-bit per-key gate or per-head gate, vector loads;
-// pass 2 only (pass 1 of a segment split runs the plain kernel). Everything else runs the plain
-// kernel (the planner decides).
+// both passes of a segment split (pass 1: k, g, v and the state update only). Everything else runs
+// the plain kernel (the planner decides).
 #pragma once
 
 #include "backends/cuda/chunk_forward_kernel.cuh"
@@ -156,7 +156,9 @@ constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 // items): two prep threads per item, each with 8 rows, exchanging their half totals through shared
 // memory; twice the prep warps for the same work, to cut the prep group's serial latency, which
 // bounds the kernel (1.50x faster at DK = 64, the default there; at DK = 128 768 threads, opt-in).
-template <int DK, typename E, int RS = 16>
+// LOCAL: pass 1 of a segment split, a separate instance so that the full pass's code is exactly
+// the one without it (a run-time flag cost the full pass 2-6%).
+template <int DK, typename E, int RS = 16, bool LOCAL = false>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -182,6 +184,11 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   const int64_t nchunks = (seq.len + kChunk - 1) / kChunk;
   const int64_t nseg = nchunks == 0 ? 1 : (nchunks + sa.segment_chunks - 1) / sa.segment_chunks;
   if (m >= nseg) return;
+  // Pass 1 of a segment split: only the segment's local state (from zero) and its total log2
+  // decay -- no q, A, o. The last segment's is never needed.
+  constexpr bool full = !LOCAL;
+  if (!full && m >= nseg - 1) return;
+  const int64_t seg_index = (n * sa.max_segments + m) * p.H + h;
   const int64_t c_begin = m * sa.segment_chunks;
   const int64_t c_end = gla_min64(nchunks, c_begin + sa.segment_chunks);
 
@@ -247,7 +254,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         const int r = lr0 + j * kRowStep;
         const bool ok = col_ok && r < rows;
         const int so = (r * L.pr + lc * 8) * 2;
-        cp_async16(smem + L.q + so, ok ? qr + j * kRowStep * q_rs : p.q, ok);
+        if (full) cp_async16(smem + L.q + so, ok ? qr + j * kRowStep * q_rs : p.q, ok);
         cp_async16(smem + L.k + so, ok ? kr + j * kRowStep * k_rs : p.k, ok);
         if (!per_head) cp_async16(smem + L.g + so, ok ? gr + j * kRowStep * g_rs : p.g, ok);
       }
@@ -265,6 +272,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       cp_async_commit();
     };
 
+    float dsum0 = 0.f, dsum1 = 0.f;  // pass 1: the segment's total log2 decay (columns k0, k0 + 1)
     if (c_begin < c_end) issue_loads(c_begin);
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int slot = static_cast<int>(c & 1);
@@ -298,7 +306,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         a1 += g1;
         e0[r] = fast_exp2(g0);
         e1[r] = fast_exp2(g1);
-        qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pr + k0);
+        qv[r] = full ? *reinterpret_cast<const uint32_t*>(qs + t * L.pr + k0) : 0u;
         kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pr + k0);
       }
       if constexpr (HALVES == 1) {
@@ -353,7 +361,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
         float f0 = fq0, f1 = fq1;
 #pragma unroll
-        for (int r = 0; r < RS; ++r) {
+        for (int r = 0; r < RS && full; ++r) {
           f0 *= e0[r];
           f1 *= e1[r];
           const float2 q = X::to_float2(qv[r]);
@@ -369,7 +377,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           f1 *= e1[r];
         }
       }
-      if (prep_math) {
+      if (prep_math && full) {
         if constexpr (HALVES == 1) {
           const int at = sub * 16 * L.pq + k0;
           write_level_block<8, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, qv, kv, e0, e1);
@@ -385,7 +393,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           write_level_block<2, 8, X>(base, L.pq, qv, kv, e0, e1);
         }
       }
-      if (prep_math) {
+      if (prep_math && full) {
         // Reduce dg (RS rows) and pr (RS/2 pairs) over the warp: half-exchange, then butterflies.
         // dpart per warp (stride DPS): RS row sums, then RS/2 pair sums.
         constexpr int HV = RS / 2, HP = RS / 4;
@@ -436,7 +444,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         };
         constexpr int NW = NP / 32;
         static_assert(NW == 4 || NW == 8 || NW == 16, "A task split");
-        if (prep_math) {
+        if (prep_math && full) {
           if constexpr (NW == 16) {
             if (warp < 6) {
               offdiag(warp);
@@ -462,7 +470,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             }
           }
         }
-        if (tid < kChunk) {
+        if (full && tid < kChunk) {
           // Row t = 16 tsub + RS thf + lr: its warps are those of item row q2 = HALVES tsub + thf.
           const int t = tid, tsub = t >> 4, thf = (t & 15) / RS, lr = (t & 15) % RS, r = t & 15;
           const int wq = (tsub * HALVES + thf) * kWarpsPerItemRow;
@@ -488,15 +496,18 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           if (l > sub) { post0 += t0; post1 += t1; }
         }
         if (sub == 0 && hf == 0) {
-          dfac[k0] = fast_exp2(post0 + tot[k0]);
-          dfac[k0 + 1] = fast_exp2(post1 + tot[k0 + 1]);
+          const float d0 = post0 + tot[k0], d1 = post1 + tot[k0 + 1];
+          dfac[k0] = fast_exp2(d0);
+          dfac[k0 + 1] = fast_exp2(d1);
+          dsum0 += d0;
+          dsum1 += d1;
         }
         const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
         const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
 #pragma unroll
         for (int r = 0; r < RS; ++r) {
           const int t = sub * 16 + row0 + r;
-          if (sub > 0) {
+          if (full && sub > 0) {
             uint32_t* qp = reinterpret_cast<uint32_t*>(qw + t * L.pq + k0);
             const float2 x = X::to_float2(*qp);
             *qp = X::pack(x.x * fq0, x.y * fq1);
@@ -522,6 +533,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       } else {
         named_arrive(kBarReady0 + slot, NT);
       }
+    }
+    if (!full && vt == 0 && tid < DK / 2) {
+      sa.seg_decay[seg_index * DK + k0] = dsum0;
+      sa.seg_decay[seg_index * DK + k0 + 1] = dsum1;
     }
     // Balance the FREE barriers of the last (up to) two chunks, which the loop did not wait for.
     if (!use_mbar) {
@@ -558,7 +573,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     if (c_begin < c_end) issue_v(c_begin, static_cast<int>(c_begin & 1));
 
     float S[NKT][4];
-    load_initial_state<DK, BV>(S, p, sa, true, n, m, h, v0, vrow, lane);
+    load_initial_state<DK, BV>(S, p, sa, full, n, m, h, v0, vrow, lane);
 
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int slot = static_cast<int>(c & 1);
@@ -584,7 +599,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       float acc[8][4] = {};
       const bool state_math = !(p.debug_skip & 32);  // profiling: 32 = loads, hand-offs, stores only
       if (state_math) {
-        o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
+        if (full) o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
         state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
       }
       // Done with the slot.
@@ -594,6 +609,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         named_arrive(kBarFree0 + slot, NT);
       }
 
+      if (!full) continue;
       // o^T -> this warp's own columns of the v stage (only this warp read them) -> global.
       const float sc = p.scale;
 #pragma unroll
@@ -618,7 +634,20 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       }
     }
 
-    if (m == nseg - 1 && p.final_state != nullptr) store_final_state<DK>(S, p, n, h, v0, vrow, lane);
+    if (full) {
+      if (m == nseg - 1 && p.final_state != nullptr) store_final_state<DK>(S, p, n, h, v0, vrow, lane);
+    } else {
+      const int fr = lane >> 2, fc = fc_of(lane);
+#pragma unroll
+      for (int j = 0; j < NKT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int vv = vrow + fr + (e >> 1) * 8;
+          const int kk = j * 8 + fc + (e & 1);
+          sa.seg_states[(seg_index * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk] = S[j][e];
+        }
+      }
+    }
   }
 }
 
