@@ -681,6 +681,82 @@ inline void diagonal_block_pivoted(int64_t n, int64_t K, int64_t C, float scale,
   }
 }
 
+// diagonal_block_pivoted with `fac`, the pivot levels' factors derived from the triangles' pair
+// weights instead of exponentiated: 2^(x - y) = 2^(x - z) 2^(z - y) with y <= z <= x, all factors
+// <= 0. Triangles first; then in each half h the queries' factors 2^(b_t - b_(h+4)) are the pairs
+// (t, h+4) of the triangle at h+4, and the keys' 2^(b_(h+4) - b_u) are one exp2 row
+// 2^(b_(h+4) - b_(h+3)) times the pairs (h+3, u); at the 8-level, queries t < 12 are the pairs
+// (t, 8), t >= 12 the pairs (t, 12) times 2^(b_12 - b_8) (a 4-level key factor), keys u >= 4 one
+// exp2 row 2^(b_8 - b_7) times the pairs (7, u), keys u < 4 2^(b_8 - b_4) times the 4-level key
+// factors. 27 exp2 rows per block instead of 53; factors within ~3 ulp instead of 1.
+inline const float* triangle_weight(const float* wp, int64_t K, int64_t t, int64_t u) {  // 2^(b_t - b_u)
+  const int64_t q0 = t & ~(kQuarter - 1), tl = t - q0;
+  return wp + ((q0 / kQuarter) * kQuarterPairs + tl * (tl - 1) / 2 + (u - q0)) * K;
+}
+inline void diagonal_block_bridged(int64_t n, int64_t K, int64_t C, float scale, const float* q, const float* k,
+                                   const Gates& g, int64_t r0, float* a, float* qs, float* ks, float* fac) {
+  const auto mul_row = [K](const float* x, const float* y, float* out) { scaled_rows(1, K, x, y, 1.0f, out); };
+  const auto copy_row = [K](const float* x, float* out) { std::memcpy(out, x, static_cast<size_t>(K) * 4); };
+  // the 4 x 4 triangles, element-wise (as diagonal_block_pivoted)
+  float* wp = fac + kDiagPairs * K;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* qt = q + t * K;
+    const float* bth = g.hi + (r0 + t) * K;
+    const float* btl = g.lo + (r0 + t) * K;
+    const int64_t u0 = t & ~(kQuarter - 1);
+    const int nk = static_cast<int>(t - u0);
+    float* w = wp + ((u0 / kQuarter) * kQuarterPairs + nk * (nk - 1) / 2) * K;
+    vf acc[kQuarter];
+    for (int m = 0; m < kQuarter; ++m) acc[m] = vzero();
+    for_vectors(K, [&](int64_t c, int lanes) {
+      const vf qv = vload_k(qt + c, lanes), bh = vload_k(bth + c, lanes), bl = vload_k(btl + c, lanes);
+      for (int m = 0; m < nk; ++m) {
+        const int64_t u = u0 + m;
+        const vf x = vadd(vsub(bh, vload_k(g.hi + (r0 + u) * K + c, lanes)), vsub(bl, vload_k(g.lo + (r0 + u) * K + c, lanes)));
+        const vf e = vexp2(x);
+        vstore_k(w + m * K + c, e, lanes);
+        acc[m] = vfma(vmul(qv, vload_k(k + u * K + c, lanes)), e, acc[m]);
+      }
+      acc[nk] = vfma(qv, vload_k(k + t * K + c, lanes), acc[nk]);
+    });
+    for (int m = 0; m <= nk; ++m) a[t * C + u0 + m] = scale * vsum(acc[m]);
+  }
+  // in each half h: rows [h + 4, min(h + 8, n)) x keys [h, h + 4)
+  for (int64_t h = 0; h + kQuarter < n; h += kHalf) {
+    const int64_t m = h + kQuarter, nq = std::min(h + kHalf, n) - m;
+    float* f = fac + (2 * kHalf + h) * K;
+    fill_ones(K, f);
+    for (int64_t t = 1; t < nq; ++t) copy_row(triangle_weight(wp, K, m + t, m), f + t * K);
+    exp2_rows(g, r0 + m, r0 + m - 1, f + (kQuarter + kQuarter - 1) * K);
+    for (int64_t u = 0; u + 1 < kQuarter; ++u) {
+      mul_row(f + (2 * kQuarter - 1) * K, triangle_weight(wp, K, m - 1, h + u), f + (kQuarter + u) * K);
+    }
+    scaled_rows(nq, K, q + m * K, f, scale, qs);
+    scaled_rows(kQuarter, K, k + h * K, f + kQuarter * K, 1.0f, ks);
+    dot_rows(nq, static_cast<int>(kQuarter), K, qs, ks, 1.0f, a + m * C + h, C);
+  }
+  // rows [8, n) x keys [0, 8)
+  if (n > kHalf) {
+    fill_ones(K, fac);
+    for (int64_t t = kHalf + 1; t < std::min(n, kHalf + kQuarter); ++t) copy_row(triangle_weight(wp, K, t, kHalf), fac + (t - kHalf) * K);
+    if (n > kHalf + kQuarter) {
+      copy_row(fac + (2 * kHalf + kHalf + kQuarter) * K, fac + kQuarter * K);  // 2^(b_12 - b_8)
+      for (int64_t t = kHalf + kQuarter + 1; t < n; ++t) {
+        mul_row(triangle_weight(wp, K, t, kHalf + kQuarter), fac + kQuarter * K, fac + (t - kHalf) * K);
+      }
+    }
+    float* fk = fac + kHalf * K;  // keys: 2^(b_8 - b_u)
+    exp2_rows(g, r0 + kHalf, r0 + kHalf - 1, fk + (kHalf - 1) * K);
+    for (int64_t u = kQuarter; u + 1 < kHalf; ++u) mul_row(fk + (kHalf - 1) * K, triangle_weight(wp, K, kHalf - 1, u), fk + u * K);
+    const float* f4 = fac + (2 * kHalf + kQuarter) * K;  // 2^(b_4 - b_u), u < 4
+    for (int64_t u = 0; u < kQuarter; ++u) mul_row(fk + kQuarter * K, f4 + u * K, fk + u * K);
+    scaled_rows(n - kHalf, K, q + kHalf * K, fac, scale, qs);
+    scaled_rows(kHalf, K, k, fk, 1.0f, ks);
+    dot_rows(n - kHalf, static_cast<int>(kQuarter), K, qs, ks, 1.0f, a + kHalf * C, C);
+    dot_rows(n - kHalf, static_cast<int>(kQuarter), K, qs, ks + kQuarter * K, 1.0f, a + kHalf * C + kQuarter, C);
+  }
+}
+
 // The diagonal blocks' part of dq and dk (pairs u < t, the self terms left out as in intra_dqk),
 // from the factors diagonal_block_pivoted kept. qs, ks: kSub x K scratch each.
 inline void diagonal_dqk_pivoted(int64_t n, int64_t K, int64_t C, const float* q, const float* k, const float* dA,
@@ -855,7 +931,11 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
     // Diagonal block first: with `wd`, its factors serve the off-diagonal pivots too.
     {
       GLA_PROF(5, "A diag");
-      diagonal_block_pivoted(ni, K, C, scale, q + r0 * K, k + r0 * K, g, r0, A + r0 * C + r0, s.qp, s.krow, fi);
+      if (fi) {
+        diagonal_block_bridged(ni, K, C, scale, q + r0 * K, k + r0 * K, g, r0, A + r0 * C + r0, s.qp, s.krow, fi);
+      } else {
+        diagonal_block_pivoted(ni, K, C, scale, q + r0 * K, k + r0 * K, g, r0, A + r0 * C + r0, s.qp, s.krow, fi);
+      }
     }
     GLA_PROF(4, "A offdiag");
     float* qp = qkeep ? qkeep + r0 * K : s.qp;
