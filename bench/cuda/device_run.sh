@@ -12,7 +12,7 @@
 # $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/
 # and carry .devtmp to skip fla's ~80 s autotune per shape next time).
 # Next call (docs/cuda_backend.md, "Status and what is next"):
-#   bash bench/cuda/device_run.sh handoff check bench ncu
+#   bash bench/cuda/device_run.sh check split4 ncusrc
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 LOG="$OUT/logs"
@@ -26,8 +26,9 @@ for step in "$@"; do
     skips) for m in 1 2 4 8 16 3 31; do echo "skip $m"; GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips.log" ;;
     ncu) ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters -k regex:chunk_forward -c 1 ./build-cuda/harness bench 8x4096x16x128 2>&1 | tee "$LOG/ncu.log" | grep -v "^==PROF" | tail -60
       ncu --clock-control none --set full --import-source no -k regex:chunk_forward_ws -c 1 -o "$LOG/ws_profile" ./build-cuda/harness bench 8x4096x16x128 > /dev/null 2>&1; ls -la "$LOG"/ws_profile* ;;
-    ncusrc) # per-SASS-instruction stall samples of the ws kernel at B8 (the source page as CSV)
-      ncu --clock-control none --set full --import-source no -k regex:chunk_forward_ws -c 1 -o "$LOG/ws" ./build-cuda/harness bench 8x4096x16x128 > "$LOG/ncu_run.log" 2>&1
+    ncusrc) # per-SASS-instruction stall samples of the ws kernel (the source page as CSV); NCU_SHAPE
+      # picks the shape (default B8 T4096 H16 D128); analyse with bench/cuda/ncu_regions.py
+      ncu --clock-control none --set full --import-source no -k regex:chunk_forward_ws -c 1 -o "$LOG/ws" ./build-cuda/harness bench ${NCU_SHAPE:-8x4096x16x128} > "$LOG/ncu_run.log" 2>&1
       ncu -i "$LOG/ws.ncu-rep" --page source --csv --print-source sass > "$LOG/ws_sass.csv" 2> "$LOG/ws_sass.err"; wc -l "$LOG/ws_sass.csv"; head -c 600 "$LOG/ws_sass.err"
       ncu -i "$LOG/ws.ncu-rep" --page details > "$LOG/ws_details.txt" 2>&1; grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy" "$LOG/ws_details.txt" | head -12
       rm -f "$LOG/ws.ncu-rep" ;;
@@ -66,6 +67,10 @@ for step in "$@"; do
       for v in ws ws-split auto; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done 2>&1 | tee "$LOG/bench_split128.log"
       [ -x build-cuda/harness_r64 ] && GLA_CUDA_KERNEL=ws-split ./build-cuda/harness_r64 bench 8x4096x16x128 1x32768x16x128 32x1024x16x128 2>&1 | tee "$LOG/bench_r64.log"
       for m in 32 64 96; do echo "skip $m"; GLA_CUDA_KERNEL=ws-split GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips_split.log" ;;
+    split4) # four threads per element-wise item at K <= 64 (GLA_CUDA_KERNEL=ws-split4; not yet run on a GPU)
+      GLA_CUDA_KERNEL=ws-split4 timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_split4.log" | grep -v "^ok "
+      grep -c "chunk-ws-split4" "$LOG/check_split4.log"
+      for v in ws-split ws-split4 ws-split ws-split4; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 4x8192x32x64 8x4096x16x64; done 2>&1 | tee "$LOG/bench_split4.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
       for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log"
       # the kernel with the mbarrier hand-off: correctness, speed, racecheck

@@ -48,7 +48,8 @@ struct ForwardParams {
   // Which chunk kernel the planner may pick (GLA_CUDA_KERNEL): 0 auto (the warp-specialised kernel
   // where it applies -- with split element-wise items at K <= 64 --, else the tensor-core-diagonal
   // one), 1 mma-diag, 2 plain (element-wise diagonal blocks), 3 ws-split (the warp-specialised
-  // kernel with split element-wise items), 4 ws (without). Kept for A/B timing and as a fallback.
+  // kernel with split element-wise items), 4 ws (without), 5 ws-split4 (four threads per item at
+  // K <= 64, else as auto; not yet run on a GPU). Kept for A/B timing and as a fallback.
   int32_t kernel_variant;
 };
 

@@ -4,6 +4,10 @@
 namespace gla::cuda::detail {
 
 cudaError_t run_chunk_d64(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
+  if (plan.kernel == 5) {
+    if (p.dtype == kBF16) return run_chunk_ws<64, __nv_bfloat16, 4>(p, plan, workspace, stream);
+    return run_chunk_ws<64, __half, 4>(p, plan, workspace, stream);
+  }
   if (plan.kernel == 3) {
     if (p.dtype == kBF16) return run_chunk_ws<64, __nv_bfloat16, 8>(p, plan, workspace, stream);
     return run_chunk_ws<64, __half, 8>(p, plan, workspace, stream);

@@ -50,7 +50,8 @@ struct WsSmem {
 };
 // Per prep warp: RS row sums of q.k, then RS/2 pair sums (RS = 16 / halves rows per item).
 __host__ __device__ constexpr int ws_dpart_stride(int halves) { return (16 / halves) * 3 / 2; }
-// halves = 2: the split-item variant (two prep threads per element-wise item, 8 rows each).
+// halves = 2 or 4: the split-item variants (two or four prep threads per element-wise item, 8 or 4
+// rows each).
 __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
   WsSmem s{};
   s.pq = dk + 8;
@@ -73,7 +74,7 @@ __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halv
   s.s_dfac = s.s_a + kChunk * s.pa * 2;
   s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
   s.tot = off; off += 4 * dk * 4;
-  s.htot = off; off += halves == 2 ? 8 * dk * 4 : 0;
+  s.htot = off; off += halves > 1 ? 4 * halves * dk * 4 : 0;
   s.dpart = off; off += (2 * dk * halves / 32) * ws_dpart_stride(halves) * 4;
   off = (off + 7) & ~7;
   s.mbar = off; off += 4 * 8;
@@ -116,10 +117,10 @@ __device__ __forceinline__ void mbar_wait(void* b, uint32_t parity) {
 #endif
 }
 
-// The h = 8 level copy of a split item (8 rows at an 8-aligned row, `base` = its first row and
-// column pair): the 8 rows are the block's key members (first half, pivot its last row) or its query
-// members (second half, factors from its first row on). Levels h <= 4 lie inside the 8 rows and use
-// write_level_block.
+// The h = 8 level copy of a two-thread split item (8 rows at an 8-aligned row, `base` = its first
+// row and column pair): the 8 rows are the block's key members (first half, pivot its last row) or
+// its query members (second half, factors from its first row on). Levels h <= 4 lie inside the 8
+// rows and use write_level_block.
 template <typename X>
 __device__ __forceinline__ void write_level_rows_h8(uint16_t* base, int pq, bool key_half, const uint32_t (&qv)[8],
                                                     const uint32_t (&kv)[8], const float (&e0)[8], const float (&e1)[8]) {
@@ -143,26 +144,85 @@ __device__ __forceinline__ void write_level_rows_h8(uint16_t* base, int pq, bool
   }
 }
 
+// The general case (four threads per item): a level copy (half size HH) of a split item's RS rows at `base` (its first row and column pair)
+// when the rows lie inside one half of a 2 HH block: key members (first half, pivot its last row:
+// k_r prod_{u=r+1..piv} e_u) or query members (second half: q_r prod_{u=piv+1..r} e_u). The other
+// threads of the same half contribute their row totals ht (log2) as the start factor; a level whose
+// blocks fit in the RS rows uses write_level_block.
+template <int HH, int RS, int HALVES, typename X>
+__device__ __forceinline__ void write_level_split(uint16_t* base, int pq, int hf, const float (&ht0)[HALVES],
+                                                  const float (&ht1)[HALVES], const uint32_t (&qv)[RS],
+                                                  const uint32_t (&kv)[RS], const float (&e0)[RS], const float (&e1)[RS]) {
+  if constexpr (2 * HH <= RS) {
+    write_level_block<HH, RS, X>(base, pq, qv, kv, e0, e1);
+  } else {
+    constexpr int TPH = HH / RS;  // threads per half block
+    const int j = hf % TPH;       // this thread's place in its half
+    const bool key_half = (hf / TPH) % 2 == 0;
+    float f0 = 1.f, f1 = 1.f;
+    if constexpr (TPH > 1) {
+      // Key half: the rows of the later threads up to the pivot; query half: the earlier ones
+      // after it. Sums of row totals (all <= 0), unrolled so the arrays stay in registers.
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int i = 0; i < HALVES; ++i) {
+        const bool in = key_half ? (i > hf && i < hf - j + TPH) : (i < hf && i >= hf - j);
+        if (in) {
+          s0 += ht0[i];
+          s1 += ht1[i];
+        }
+      }
+      f0 = fast_exp2(s0);
+      f1 = fast_exp2(s1);
+    }
+    if (key_half) {
+#pragma unroll
+      for (int r = RS - 1; r >= 0; --r) {
+        const float2 k = X::to_float2(kv[r]);
+        *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(k.x * f0, k.y * f1);
+        f0 *= e0[r];
+        f1 *= e1[r];
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < RS; ++r) {
+        f0 *= e0[r];
+        f1 *= e1[r];
+        const float2 q = X::to_float2(qv[r]);
+        *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(q.x * f0, q.y * f1);
+      }
+    }
+  }
+}
+
 // Register split of the 768-thread split-item kernel at DK = 128 (launched with 80 per thread:
 // 512 prep threads give up registers to the 256 state threads, which hold S^T).
 #ifndef GLA_WS768_PREP_REGS
 #define GLA_WS768_PREP_REGS "56"
 #define GLA_WS768_STATE_REGS "128"
 #endif
+// ... and of the 640-thread kernel at DK = 64 with four threads per item (launched with 96:
+// 512 x P + 128 x S = 640 x 96).
+#ifndef GLA_WS640_PREP_REGS
+#define GLA_WS640_PREP_REGS "80"
+#define GLA_WS640_STATE_REGS "160"
+#endif
 // Barrier ids (0 is __syncthreads).
 constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 
 // RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk). 8 (split
-// items): two prep threads per item, each with 8 rows, exchanging their half totals through shared
+// items): two prep threads per item, each with 8 rows, exchanging their row totals through shared
 // memory; twice the prep warps for the same work, to cut the prep group's serial latency, which
 // bounds the kernel (1.50x faster at DK = 64, the default there; at DK = 128 768 threads, opt-in).
+// 4: four threads per item (DK = 64 only: 640 threads; opt-in GLA_CUDA_KERNEL=ws-split4, not yet
+// run on a GPU).
 // LOCAL: pass 1 of a segment split, a separate instance so that the full pass's code is exactly
 // the one without it (a run-time flag cost the full pass 2-6%).
 template <int DK, typename E, int RS = 16, bool LOCAL = false>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
-  static_assert(RS == 16 || RS == 8, "rows per item: 16 or 8");
+  static_assert(RS == 16 || RS == 8 || RS == 4, "rows per item: 16, 8 or 4");
   constexpr int HALVES = 16 / RS;
   constexpr int BV = DK;
   constexpr int NP = 2 * DK * HALVES;  // prep threads
@@ -221,6 +281,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (NT == 512) asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::);
     if constexpr (NT == 768) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS768_PREP_REGS ";\n" ::);
+    if constexpr (NT == 640) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS640_PREP_REGS ";\n" ::);
 #endif
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem + L.q);
     uint16_t* ks = reinterpret_cast<uint16_t*>(smem + L.k);
@@ -341,12 +402,14 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       }
 
       // ---- element-wise, write phase: qloc, kloc, level copies; reductions ----
+      float ht0[HALVES], ht1[HALVES];  // split items: the row totals of this item's threads
       if (prep_math) {
         // qloc_t = q_t 2^{c_t} (c from the sub-chunk start), kloc_t = k_t 2^{Tot - c_t}. A second
         // half starts its query product at 2^{total of the first half}; a first half starts its key
         // product at 2^{total of the second half}. Exponents <= 0.
         float fq0 = 1.f, fq1 = 1.f, fk0 = 1.f, fk1 = 1.f;
         if constexpr (HALVES == 2) {
+          // (Kept apart from the general case below: this is the measured default at DK = 64.)
           const float h00 = htot[(sub * 2) * DK + k0], h01 = htot[(sub * 2) * DK + k0 + 1];
           const float h10 = htot[(sub * 2 + 1) * DK + k0], h11 = htot[(sub * 2 + 1) * DK + k0 + 1];
           if (hf == 1) {
@@ -357,6 +420,43 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             fk1 = fast_exp2(h11);
             tot[sub * DK + k0] = h00 + h10;
             tot[sub * DK + k0 + 1] = h01 + h11;
+          }
+        } else if constexpr (HALVES > 2) {
+#pragma unroll
+          for (int i = 0; i < HALVES; ++i) {
+            ht0[i] = htot[(sub * HALVES + i) * DK + k0];
+            ht1[i] = htot[(sub * HALVES + i) * DK + k0 + 1];
+          }
+          // The earlier threads' rows (query start), the later threads' rows (key start).
+          float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
+#pragma unroll
+          for (int i = 0; i < HALVES; ++i) {
+            if (i < hf) {
+              a0 += ht0[i];
+              a1 += ht1[i];
+            }
+            if (i > hf) {
+              b0 += ht0[i];
+              b1 += ht1[i];
+            }
+          }
+          if (hf > 0) {
+            fq0 = fast_exp2(a0);
+            fq1 = fast_exp2(a1);
+          }
+          if (hf < HALVES - 1) {
+            fk0 = fast_exp2(b0);
+            fk1 = fast_exp2(b1);
+          }
+          if (hf == 0) {
+            float t0 = ht0[0], t1 = ht1[0];
+#pragma unroll
+            for (int i = 1; i < HALVES; ++i) {
+              t0 += ht0[i];
+              t1 += ht1[i];
+            }
+            tot[sub * DK + k0] = t0;
+            tot[sub * DK + k0 + 1] = t1;
           }
         }
         float f0 = fq0, f1 = fq1;
@@ -384,13 +484,16 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           write_level_block<4, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, qv, kv, e0, e1);
           write_level_block<2, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
         } else {
-          uint16_t* base = nullptr;
-          base = reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + (sub * 16 + row0) * L.pq + k0;
-          write_level_rows_h8<X>(base, L.pq, hf == 0, qv, kv, e0, e1);
-          base = reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + (sub * 16 + row0) * L.pq + k0;
-          write_level_block<4, 8, X>(base, L.pq, qv, kv, e0, e1);
-          base = reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + (sub * 16 + row0) * L.pq + k0;
-          write_level_block<2, 8, X>(base, L.pq, qv, kv, e0, e1);
+          const int at = (sub * 16 + row0) * L.pq + k0;
+          if constexpr (HALVES == 2) {
+            write_level_rows_h8<X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, hf == 0, qv, kv, e0, e1);
+            write_level_block<4, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, qv, kv, e0, e1);
+            write_level_block<2, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
+          } else {
+          write_level_split<8, RS, HALVES, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, hf, ht0, ht1, qv, kv, e0, e1);
+          write_level_split<4, RS, HALVES, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, hf, ht0, ht1, qv, kv, e0, e1);
+          write_level_split<2, RS, HALVES, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, hf, ht0, ht1, qv, kv, e0, e1);
+          }
         }
       }
       if (prep_math && full) {
@@ -547,6 +650,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (NT == 512) asm volatile("setmaxnreg.inc.sync.aligned.u32 144;\n" ::);
     if constexpr (NT == 768) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS768_STATE_REGS ";\n" ::);
+    if constexpr (NT == 640) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS640_STATE_REGS ";\n" ::);
 #endif
     const int stid = tid - NP, swarp = warp - NP / 32;
     const int fr = lane >> 2, fc = fc_of(lane);

@@ -145,7 +145,7 @@ cuda::ForwardParams make_params(const gla_problem& p) {
     for (int i = 0; i < 3; ++i) vec = vec && p.g.strides[i] % 8 == 0;
   }
   f.vector_loads = vec ? 1 : 0;
-  // GLA_CUDA_KERNEL=mma-diag | plain | ws | ws-split: steer the planner's kernel choice (A/B
+  // GLA_CUDA_KERNEL=mma-diag | plain | ws | ws-split | ws-split4: steer the planner's kernel choice (A/B
   // timing, fallback);
   // unset or "auto": the fastest kernel that serves the problem.
   static const int variant = [] {
@@ -154,6 +154,7 @@ cuda::ForwardParams make_params(const gla_problem& p) {
     if (v && std::strcmp(v, "plain") == 0) return 2;
     if (v && std::strcmp(v, "ws-split") == 0) return 3;
     if (v && std::strcmp(v, "ws") == 0) return 4;
+    if (v && std::strcmp(v, "ws-split4") == 0) return 5;
     return 0;
   }();
   f.kernel_variant = variant;
@@ -248,7 +249,8 @@ class CudaBackend final : public Backend {
     if (!plan.use_chunk_kernel) {
       return "recurrent kernel (token loop in IEEE fp32 FMA: fp32 inputs, or K > 128)";
     }
-    std::string s = plan.kernel == 3   ? "warp-specialised chunk kernel with split element-wise items (prep and state warp groups, tensor cores)"
+    std::string s = plan.kernel == 5   ? "warp-specialised chunk kernel with element-wise items split four ways (prep and state warp groups, tensor cores)"
+                    : plan.kernel == 3 ? "warp-specialised chunk kernel with split element-wise items (prep and state warp groups, tensor cores)"
                     : plan.kernel == 2 ? "warp-specialised chunk kernel (prep and state warp groups, tensor cores)"
                     : plan.kernel == 1 ? "chunk kernel with tensor-core diagonal blocks"
                                        : "chunk kernel with element-wise diagonal blocks";

@@ -151,12 +151,15 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   // Kernel choice: the warp-specialised kernel needs cp.async rows and a 16-bit per-key gate or a
   // per-head gate (an fp32 per-key gate does not fit its shared memory); the others take anything.
   const bool ws_ok = p.vector_loads && (p.gate_per_head || gate_bytes == 2);
-  // Variants: 0 auto, 1 mma-diag, 2 plain, 3 ws-split, 4 ws (see ForwardParams::kernel_variant).
+  // Variants: 0 auto, 1 mma-diag, 2 plain, 3 ws-split, 4 ws, 5 ws-split4 (see
+  // ForwardParams::kernel_variant).
   const int v = p.kernel_variant;
-  plan.kernel = v == 2 ? 0 : ((v == 0 || v == 3 || v == 4) && ws_ok ? 2 : 1);
+  plan.kernel = v == 2 ? 0 : ((v == 0 || v >= 3) && ws_ok ? 2 : 1);
   // Split element-wise items: measured 1.50x faster than unsplit at K <= 64 (B4 T8192 H32 D64,
   // bench/results/cuda_forward.md); at K = 128 opt-in until measured.
   if (plan.kernel == 2 && (v == 3 || (v == 0 && plan.head_dim_k == 64))) plan.kernel = 3;
+  // Kernel 5: four threads per element-wise item at K <= 64 (opt-in, not yet run on a GPU).
+  if (plan.kernel == 2 && v == 5 && plan.head_dim_k == 64) plan.kernel = 5;
   plan.value_tile = plan.kernel != 0 ? plan.head_dim_k : (plan.head_dim_k == 128 && p.V > 64 ? 128 : 64);
   plan.value_tiles = static_cast<int32_t>((p.V + plan.value_tile - 1) / plan.value_tile);
   const detail::ChunkSmem L =
