@@ -46,15 +46,22 @@ template <int DK, typename E, int RS = 16>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
   const WsSmem L = ws_smem_layout(DK, p.gate_per_head != 0, 16 / RS);
-  auto kernel = chunk_forward_ws_kernel<DK, E, RS, false>;
-  auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, true>;
+  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0>;
+  // Pass 1: the deeper-ring instance only on request (plan.local_deep; not instantiated for the
+  // four-threads-per-item variant).
+  auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;
+  auto deep_kernel = local_kernel;
+  if constexpr (RS != 4) deep_kernel = chunk_forward_ws_kernel<DK, E, RS, 2>;
   static int raised = 0;
   if (raised < L.total) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
-    if (err == cudaSuccess) err = cudaFuncSetAttribute(local_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
+    cudaError_t err = cudaSuccess;
+    for (auto k : {kernel, local_kernel, deep_kernel}) {
+      if (err == cudaSuccess) err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
+    }
     if (err != cudaSuccess) return err;
     raised = L.total;
   }
+  if (plan.local_deep) local_kernel = deep_kernel;
   SegmentArgs sa{};
   sa.segment_chunks = plan.segment_chunks;
   sa.max_segments = plan.max_segments;

@@ -216,9 +216,12 @@ constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 // bounds the kernel (1.50x faster at DK = 64, the default there; at DK = 128 768 threads, opt-in).
 // 4: four threads per item (DK = 64 only: 640 threads; opt-in GLA_CUDA_KERNEL=ws-split4, not yet
 // run on a GPU).
-// LOCAL: pass 1 of a segment split, a separate instance so that the full pass's code is exactly
-// the one without it (a run-time flag cost the full pass 2-6%).
-template <int DK, typename E, int RS = 16, bool LOCAL = false>
+// LOCAL: 0 the full pass; 1 pass 1 of a segment split, a separate instance so that the full pass's
+// code is exactly the one without it (a run-time flag cost the full pass 2-6%); 2 pass 1 with
+// deeper load rings (k and g two chunks ahead in the unused level-copy tiles, v three stages):
+// opt-in (GLA_CUDA_KERNEL=ws-deep1), not yet run on a GPU. Pass 1 has little arithmetic per chunk,
+// so with one chunk of loads in flight it runs at the loads' latency, not their bandwidth.
+template <int DK, typename E, int RS = 16, int LOCAL = 0>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -246,7 +249,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   if (m >= nseg) return;
   // Pass 1 of a segment split: only the segment's local state (from zero) and its total log2
   // decay -- no q, A, o. The last segment's is never needed.
-  constexpr bool full = !LOCAL;
+  constexpr bool full = LOCAL == 0;
+  constexpr bool deep = LOCAL == 2;
   if (!full && m >= nseg - 1) return;
   const int64_t seg_index = (n * sa.max_segments + m) * p.H + h;
   const int64_t c_begin = m * sa.segment_chunks;
@@ -284,8 +288,12 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     if constexpr (NT == 640) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS640_PREP_REGS ";\n" ::);
 #endif
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem + L.q);
-    uint16_t* ks = reinterpret_cast<uint16_t*>(smem + L.k);
-    unsigned char* gs = smem + L.g;
+    // Raw k and g of load stage s (the deep pass 1 alternates with the level-copy tiles it leaves
+    // unused; everything else has stage 0 only).
+    auto kbuf = [&](int s) { return smem + (s ? L.lvl(0) : L.k); };
+    auto gbuf = [&](int s) { return smem + (s ? L.lvl(1) : L.g); };
+    uint16_t* ks = reinterpret_cast<uint16_t*>(kbuf(0));
+    unsigned char* gs = gbuf(0);
     float* tot = reinterpret_cast<float*>(smem + L.tot);
     float* dpart = reinterpret_cast<float*>(smem + L.dpart);
     // Item: column pair cp, sub-chunk sub, half hf (rows row0 .. row0 + RS - 1 of the sub-chunk).
@@ -304,7 +312,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     const char* q_seq = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + seq.bos * p.q_stride[1] + h * p.q_stride[2] + lc * 8) * esz;
     const char* k_seq = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + seq.bos * p.k_stride[1] + h * p.k_stride[2] + lc * 8) * esz;
     const char* g_seq = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + seq.bos * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
-    auto issue_loads = [&](int64_t chunk) {
+    auto issue_loads = [&](int64_t chunk, int stage) {
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
       const int64_t r0 = chunk * kChunk + lr0;
       const char* qr = q_seq + r0 * q_rs;
@@ -316,17 +324,18 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         const bool ok = col_ok && r < rows;
         const int so = (r * L.pr + lc * 8) * 2;
         if (full) cp_async16(smem + L.q + so, ok ? qr + j * kRowStep * q_rs : p.q, ok);
-        cp_async16(smem + L.k + so, ok ? kr + j * kRowStep * k_rs : p.k, ok);
-        if (!per_head) cp_async16(smem + L.g + so, ok ? gr + j * kRowStep * g_rs : p.g, ok);
+        cp_async16(kbuf(stage) + so, ok ? kr + j * kRowStep * k_rs : p.k, ok);
+        if (!per_head) cp_async16(gbuf(stage) + so, ok ? gr + j * kRowStep * g_rs : p.g, ok);
       }
       const char* gb = g_seq + chunk * kChunk * g_rs;
+      unsigned char* gst = gbuf(stage);
       if (per_head) {
         for (int r = tid; r < kChunk; r += NP) {
           const bool ok = r < rows;
           if (gate_bytes == 4) {
-            reinterpret_cast<float*>(gs)[r] = ok ? *reinterpret_cast<const float*>(gb + r * g_rs) : 0.f;
+            reinterpret_cast<float*>(gst)[r] = ok ? *reinterpret_cast<const float*>(gb + r * g_rs) : 0.f;
           } else {
-            reinterpret_cast<uint16_t*>(gs)[r] = ok ? *reinterpret_cast<const uint16_t*>(gb + r * g_rs) : uint16_t(0);
+            reinterpret_cast<uint16_t*>(gst)[r] = ok ? *reinterpret_cast<const uint16_t*>(gb + r * g_rs) : uint16_t(0);
           }
         }
       }
@@ -334,14 +343,26 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     };
 
     float dsum0 = 0.f, dsum1 = 0.f;  // pass 1: the segment's total log2 decay (columns k0, k0 + 1)
-    if (c_begin < c_end) issue_loads(c_begin);
+    if (c_begin < c_end) issue_loads(c_begin, 0);
+    if (deep && c_begin + 1 < c_end) issue_loads(c_begin + 1, 1);
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int slot = static_cast<int>(c & 1);
       uint16_t* qw = reinterpret_cast<uint16_t*>(smem + L.qw(slot));
       uint16_t* kw = reinterpret_cast<uint16_t*>(smem + L.kw(slot));
       uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a(slot));
       float* dfac = reinterpret_cast<float*>(smem + L.dfac(slot));
-      cp_async_wait_all();
+      const int stage = deep ? static_cast<int>((c - c_begin) & 1) : 0;
+      if constexpr (deep) {
+        ks = reinterpret_cast<uint16_t*>(kbuf(stage));
+        gs = gbuf(stage);
+        if (c + 1 < c_end) {
+          cp_async_wait_one();  // chunk c's group; chunk c+1's may still be in flight
+        } else {
+          cp_async_wait_all();
+        }
+      } else {
+        cp_async_wait_all();
+      }
       named_sync(kBarPrep, NP);  // raw stage complete; the last chunk's tot/dpart readers are done
 
       const bool prep_math = !(p.debug_skip & 64);  // profiling: 64 = hand-offs and loads only
@@ -391,7 +412,11 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         pr[i] = q.x * e0[2 * i + 1] * k.x + q.y * e1[2 * i + 1] * k.y;
       }
       named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
-      if (c + 1 < c_end) issue_loads(c + 1);
+      if (deep) {
+        if (c + 2 < c_end) issue_loads(c + 2, stage);
+      } else if (c + 1 < c_end) {
+        issue_loads(c + 1, 0);
+      }
       // The slot was last used by chunk c-2: wait until the state group is done with it.
       if (c >= c_begin + 2) {
         if (use_mbar) {
@@ -663,6 +688,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     const bool col_ok = v0 + lc * 8 < p.V;
     const int64_t v_rs = p.v_stride[1] * esz;
     const char* v_seq = static_cast<const char*>(p.v) + (seq.batch * p.v_stride[0] + seq.bos * p.v_stride[1] + h * p.v_stride[2] + v0 + lc * 8) * esz;
+    // v stage s: two stages, and a third in the deep pass 1 (a level-copy tile it leaves unused).
+    auto vbuf = [&](int s) { return smem + (s < 2 ? L.v(s) : L.lvl(2)); };
     auto issue_v = [&](int64_t chunk, int stage) {
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
       const char* vr = v_seq + (chunk * kChunk + lr0) * v_rs;
@@ -670,26 +697,36 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       for (int j = 0; j < kLoadIters; ++j) {
         const int r = lr0 + j * kRowStep;
         const bool ok = col_ok && r < rows;
-        cp_async16(smem + L.v(stage) + (r * L.pv + lc * 8) * 2, ok ? vr + j * kRowStep * v_rs : p.v, ok);
+        cp_async16(vbuf(stage) + (r * L.pv + lc * 8) * 2, ok ? vr + j * kRowStep * v_rs : p.v, ok);
       }
       cp_async_commit();
     };
-    if (c_begin < c_end) issue_v(c_begin, static_cast<int>(c_begin & 1));
+    if (c_begin < c_end) issue_v(c_begin, deep ? 0 : static_cast<int>(c_begin & 1));
+    if (deep && c_begin + 1 < c_end) issue_v(c_begin + 1, 1);
 
     float S[NKT][4];
     load_initial_state<DK, BV>(S, p, sa, full, n, m, h, v0, vrow, lane);
 
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int slot = static_cast<int>(c & 1);
-      uint16_t* vs = reinterpret_cast<uint16_t*>(smem + L.v(slot));
+      const int vstage = deep ? static_cast<int>((c - c_begin) % 3) : slot;
+      uint16_t* vs = reinterpret_cast<uint16_t*>(vbuf(vstage));
       const uint16_t* qw = reinterpret_cast<const uint16_t*>(smem + L.qw(slot));
       const uint16_t* kw = reinterpret_cast<const uint16_t*>(smem + L.kw(slot));
       const uint16_t* As = reinterpret_cast<const uint16_t*>(smem + L.a(slot));
       const float* dfac = reinterpret_cast<const float*>(smem + L.dfac(slot));
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
-      cp_async_wait_all();
-      named_sync(kBarState, NS);  // v of chunk c landed; the other stage's last readers are done
-      if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
+      if (deep && c + 1 < c_end) {
+        cp_async_wait_one();
+      } else {
+        cp_async_wait_all();
+      }
+      named_sync(kBarState, NS);  // v of chunk c landed; the stage refilled next was last read at c-1
+      if (deep) {
+        if (c + 2 < c_end) issue_v(c + 2, static_cast<int>((c + 2 - c_begin) % 3));
+      } else if (c + 1 < c_end) {
+        issue_v(c + 1, slot ^ 1);
+      }
 
       uint32_t vf[4][4];
       load_v_fragments(vf, vs, L.pv, vrow, lane);
