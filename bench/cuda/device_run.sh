@@ -4,7 +4,7 @@
 # Build first, on the development machine (the device call carries build-cuda/ and .whl/):
 #   cmake -S . -B build-cuda -G Ninja -DGLA_CUDA=ON && ninja -C build-cuda gla gla_tests
 #   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude -o build-cuda/harness \
-#     bench/cuda/harness.cu src/backends/cuda/forward.cu src/backends/cuda/chunk_forward_d64.cu \
+#     bench/cuda/harness.cu src/backends/cuda/forward.cu src/backends/cuda/plan.cpp src/backends/cuda/chunk_forward_d64.cu \
 #     src/backends/cuda/chunk_forward_d128.cu
 #   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o build-cuda/handoff bench/cuda/handoff_racecheck.cu
 #   (the harness again with -DGLA_WS_MBARRIER=1 -o build-cuda/harness_mbar: mbarrier hand-off, for racecheck)

@@ -17,64 +17,10 @@
 // stores the segment's local state and total decay; pass 2 starts from the folded state.
 #pragma once
 
+#include "backends/cuda/chunk_layout.hpp"
 #include "backends/cuda/device_utils.cuh"
 
 namespace gla::cuda::detail {
-
-constexpr int kChunk = 64;
-
-struct SegmentArgs {
-  int64_t segment_chunks;  // chunks per segment
-  int64_t max_segments;
-  int32_t value_tiles;
-  int32_t pass;            // 1: local states only; 2: full forward
-  float* seg_states;       // [N, max_segments, H, value_tiles * BV, DK]
-  float* seg_decay;        // [N, max_segments, H, DK] total log2 decay of each segment
-};
-
-// Shared-memory layout (bytes), computed identically on host and device.
-struct ChunkSmem {
-  int pq, pv, pa, pg;  // pitches in elements
-  int q, k, v, g;      // offsets inside one stage
-  int stage_bytes;
-  int qw, kw, a, tot, dfac, dsum;  // offsets after the two stages
-  int extra0, extra1, dpart;       // MMA-diagonal variant: level copies 2/3, diagonal partials
-  int total;
-};
-__host__ __device__ inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool per_head,
-                                                       bool mma_diag = false) {
-  ChunkSmem s{};
-  s.pq = dk + 8;
-  s.pv = bv + 8;
-  s.pa = kChunk + 8;
-  s.pg = dk + 8;
-  s.q = 0;
-  s.k = s.q + kChunk * s.pq * 2;
-  s.v = s.k + kChunk * s.pq * 2;
-  s.g = s.v + kChunk * s.pv * 2;
-  // Per-head gate: 64 raw gates, then 64 fp32 e values.
-  int gbytes = per_head ? kChunk * 4 * 2 : kChunk * s.pg * gate_bytes;
-  s.stage_bytes = s.g + gbytes;
-  s.qw = 2 * s.stage_bytes;
-  s.kw = s.qw + kChunk * s.pq * 2;
-  s.a = s.kw + kChunk * s.pq * 2;
-  s.tot = s.a + kChunk * s.pa * 2;
-  s.dfac = s.tot + 4 * dk * 4;
-  s.dsum = s.dfac + dk * 4;
-  s.total = s.dsum + dk * 4;
-  s.extra0 = s.extra1 = s.dpart = -1;
-  if (mma_diag) {
-    // Level copies 0 and 1 go over the stage's raw q and k, 2 (and 3 for an fp32 gate) over its
-    // raw g; the rest need their own buffers.
-    const int copy_bytes = kChunk * s.pq * 2;
-    const int extras = per_head ? 2 : (gate_bytes == 2 ? 1 : 0);
-    if (extras >= 1) { s.extra0 = s.total; s.total += copy_bytes; }
-    if (extras >= 2) { s.extra1 = s.total; s.total += copy_bytes; }
-    s.dpart = s.total;
-    s.total += (bv / 16) * 16 * 4;
-  }
-  return s;
-}
 
 // ---- MMA-diagonal variant (MMA_DIAG): the 16x16 diagonal blocks on tensor cores ----
 //

@@ -1,0 +1,150 @@
+// The cuda backend's forward planner (src/backends/cuda/plan.cpp, host code): which chunk kernel a
+// problem gets under each GLA_CUDA_KERNEL variant, the tiling, and the segment split of long
+// sequences with its workspace. Runs without a GPU (the planner needs only the SM count), so CI
+// checks it; the kernels themselves are tested on the GPU (test_cuda_forward.cpp).
+#include <gtest/gtest.h>
+
+#ifdef GLA_TESTS_WITH_CUDA
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "backends/cuda/chunk_forward.hpp"
+
+namespace gla::test {
+namespace {
+
+using cuda::ForwardParams;
+using cuda::ForwardPlan;
+
+struct Shape {
+  int64_t B = 1, T = 256, H = 2, K = 128, V = 128;
+  int32_t dtype = cuda::kBF16, gate_dtype = cuda::kBF16, per_head = 0, vector_loads = 1, variant = 0;
+};
+
+ForwardParams params(const Shape& s) {
+  ForwardParams p{};
+  p.B = s.B;
+  p.T = s.T;
+  p.H = s.H;
+  p.K = s.K;
+  p.V = s.V;
+  p.N = s.B;
+  p.dtype = s.dtype;
+  p.gate_dtype = s.gate_dtype;
+  p.gate_per_head = s.per_head;
+  p.vector_loads = s.vector_loads;
+  p.kernel_variant = s.variant;
+  return p;
+}
+
+ForwardPlan plan_for(const Shape& s, const std::vector<int64_t>& offsets = {}) {
+  std::vector<int64_t> so = offsets;
+  if (so.empty()) {
+    for (int64_t n = 0; n <= s.B; ++n) so.push_back(n * s.T);
+  }
+  ForwardParams p = params(s);
+  if (!offsets.empty()) {
+    p.varlen = 1;
+    p.N = static_cast<int64_t>(offsets.size()) - 1;
+  }
+  return cuda::plan_forward(p, so.data(), 132);
+}
+
+// Variants as GLA_CUDA_KERNEL spells them (cuda_backend.cpp): 0 auto, 1 mma-diag, 2 plain,
+// 3 ws-split, 4 ws, 5 ws-split4, 6 ws-deep1. Kernels: 0 plain, 1 mma-diag, 2 ws, 3 ws split
+// items, 5 ws four threads per item.
+TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
+  struct Row {
+    Shape s;
+    int kernel, head_dim_k, value_tile, value_tiles, local_deep;
+  };
+  const std::vector<Row> rows = {
+      {{}, 2, 128, 128, 1, 0},                                           // D128: ws
+      {{.K = 64, .V = 64}, 3, 64, 64, 1, 0},                             // D64: split items
+      {{.K = 64, .V = 64, .variant = 4}, 2, 64, 64, 1, 0},               // ws without split
+      {{.K = 64, .V = 64, .variant = 5}, 5, 64, 64, 1, 0},               // four threads per item
+      {{.variant = 5}, 2, 128, 128, 1, 0},                               // ... only at K <= 64
+      {{.variant = 3}, 3, 128, 128, 1, 0},                               // split items at K = 128
+      {{.variant = 6}, 2, 128, 128, 1, 1},                               // deep pass 1, else auto
+      {{.K = 64, .V = 64, .variant = 6}, 3, 64, 64, 1, 1},
+      {{.variant = 1}, 1, 128, 128, 1, 0},                               // mma-diag
+      {{.variant = 2}, 0, 128, 128, 1, 0},                               // plain
+      {{.gate_dtype = cuda::kF32}, 1, 128, 128, 1, 0},                   // fp32 per-key gate
+      {{.gate_dtype = cuda::kF32, .per_head = 1}, 2, 128, 128, 1, 0},    // fp32 per-head gate
+      {{.vector_loads = 0}, 1, 128, 128, 1, 0},                          // unaligned rows
+      {{.K = 60, .V = 60, .vector_loads = 0}, 1, 64, 64, 1, 0},
+      {{.K = 64, .V = 128}, 3, 64, 64, 2, 0},                            // V tiled by the padded K
+      {{.K = 100, .V = 200, .vector_loads = 1}, 2, 128, 128, 2, 0},
+      {{.dtype = cuda::kF16}, 2, 128, 128, 1, 0},
+  };
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const ForwardPlan plan = plan_for(r.s);
+    SCOPED_TRACE(testing::Message() << "row " << i);
+    EXPECT_EQ(plan.use_chunk_kernel, 1);
+    EXPECT_EQ(plan.kernel, r.kernel);
+    EXPECT_EQ(plan.head_dim_k, r.head_dim_k);
+    EXPECT_EQ(plan.value_tile, r.value_tile);
+    EXPECT_EQ(plan.value_tiles, r.value_tiles);
+    EXPECT_EQ(plan.local_deep, r.local_deep);
+  }
+}
+
+TEST(CudaPlan, RecurrentKernelForFp32AndWideKeys) {
+  EXPECT_EQ(plan_for({.dtype = cuda::kF32, .gate_dtype = cuda::kF32}).use_chunk_kernel, 0);
+  EXPECT_EQ(plan_for({.K = 256, .V = 256}).use_chunk_kernel, 0);
+  EXPECT_EQ(plan_for({.K = 129, .V = 64, .vector_loads = 0}).use_chunk_kernel, 0);
+}
+
+// Every chunk of every sequence lies in a segment, and the workspace holds one K x V state and one
+// K-vector of decays per (sequence, segment, head, value tile) exactly when there are segments.
+void expect_segments_cover(const ForwardPlan& plan, const Shape& s, const std::vector<int64_t>& so) {
+  ASSERT_GE(plan.segment_chunks, 1);
+  ASSERT_GE(plan.max_segments, 1);
+  for (size_t n = 0; n + 1 < so.size(); ++n) {
+    const int64_t chunks = (so[n + 1] - so[n] + 63) / 64;
+    EXPECT_LE(chunks, plan.segment_chunks * plan.max_segments) << "sequence " << n;
+  }
+  const int64_t N = static_cast<int64_t>(so.size()) - 1;
+  const size_t per = size_t(plan.value_tiles) * plan.value_tile * plan.head_dim_k + plan.head_dim_k;
+  EXPECT_EQ(plan.workspace_bytes, plan.max_segments > 1 ? size_t(N) * plan.max_segments * s.H * per * 4 : 0u);
+}
+
+TEST(CudaPlan, LongSequencesAreSplitAndBatchesAreNot) {
+  // B1 T32768 H16: 16 CTAs without a split on 132 SMs; the planner must split.
+  const Shape few{.B = 1, .T = 32768, .H = 16};
+  const ForwardPlan a = plan_for(few);
+  EXPECT_GT(a.max_segments, 1);
+  expect_segments_cover(a, few, {0, 32768});
+  // B8 T4096 H16: 128 CTAs already fill the GPU; no split, no workspace.
+  const Shape many{.B = 8, .T = 4096, .H = 16};
+  const ForwardPlan b = plan_for(many);
+  EXPECT_EQ(b.max_segments, 1);
+  EXPECT_EQ(b.workspace_bytes, 0u);
+}
+
+TEST(CudaPlan, VarlenPlansCoverEverySequence) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<int64_t> so = {0};
+    const int n = 1 + static_cast<int>(rng() % 16);
+    for (int i = 0; i < n; ++i) {
+      const int64_t len = (rng() % 5 == 0) ? 0 : static_cast<int64_t>(rng() % 9000);  // empty ones too
+      so.push_back(so.back() + len);
+    }
+    const Shape s{.B = 1, .T = so.back(), .H = 1 + static_cast<int64_t>(rng() % 16)};
+    SCOPED_TRACE(testing::Message() << "trial " << trial);
+    expect_segments_cover(plan_for(s, so), s, so);
+  }
+}
+
+}  // namespace
+}  // namespace gla::test
+
+#else
+
+TEST(CudaPlan, SkippedWithoutCuda) { GTEST_SKIP() << "libgla was built without CUDA: the cuda planner is not built"; }
+
+#endif
