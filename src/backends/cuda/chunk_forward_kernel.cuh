@@ -218,6 +218,23 @@ __device__ __forceinline__ void store_final_state(const float (&S)[DK / 8][4], c
   }
 }
 
+// Pass 1's output: this warp's S^T fragments as the segment's local state (seg_index = (sequence,
+// segment, head)), every entry of the padded tile (pass 2 reads them all).
+template <int DK, int BV>
+__device__ __forceinline__ void store_segment_state(const float (&S)[DK / 8][4], const SegmentArgs& sa,
+                                                    int64_t seg_index, int64_t v0, int vrow, int lane) {
+  const int fr = lane >> 2, fc = fc_of(lane);
+#pragma unroll
+  for (int j = 0; j < DK / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int vv = vrow + fr + (e >> 1) * 8;
+      const int kk = j * 8 + fc + (e & 1);
+      sa.seg_states[(seg_index * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk] = S[j][e];
+    }
+  }
+}
+
 // A's off-diagonal 16x16 block (i, j), i > j, on tensor cores, pivoted at the last row of
 // sub-chunk i-1: A_ij = (qloc_i 2^{sum_{j<l<i} Tot_l}) kloc_j^T, every factor <= 1.
 template <int DK, typename X>
@@ -755,15 +772,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
   if (full) {
     if (m == nseg - 1 && p.final_state != nullptr) store_final_state<DK>(S, p, n, h, v0, vrow, lane);
   } else {
-#pragma unroll
-    for (int j = 0; j < NKT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int vv = vrow + fr + (e >> 1) * 8;
-        const int kk = j * 8 + fc + (e & 1);
-        sa.seg_states[(seg_index * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk] = S[j][e];
-      }
-    }
+    store_segment_state<DK, BV>(S, sa, seg_index, v0, vrow, lane);
     if (vt == 0) {
       __syncthreads();
       for (int i = tid; i < DK; i += NT) sa.seg_decay[seg_index * DK + i] = dsum[i];

@@ -778,16 +778,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     if (full) {
       if (m == nseg - 1 && p.final_state != nullptr) store_final_state<DK>(S, p, n, h, v0, vrow, lane);
     } else {
-      const int fr = lane >> 2, fc = fc_of(lane);
-#pragma unroll
-      for (int j = 0; j < NKT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int vv = vrow + fr + (e >> 1) * 8;
-          const int kk = j * 8 + fc + (e & 1);
-          sa.seg_states[(seg_index * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk] = S[j][e];
-        }
-      }
+      store_segment_state<DK, BV>(S, sa, seg_index, v0, vrow, lane);
     }
   }
 }
