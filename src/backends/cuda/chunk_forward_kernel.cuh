@@ -168,6 +168,18 @@ __device__ __forceinline__ void mma_diag_elementwise(const ForwardParams& p, con
 
 // ---- pieces shared by the single-role and the warp-specialised kernel ----
 
+// Calls f(j, e, vv, kk) for each entry S[j][e] of this warp's S^T fragments (C fragments of n8
+// tiles j): value row vv of the tile (vrow..vrow+15) and key kk.
+template <int DK, typename F>
+__device__ __forceinline__ void for_each_state_entry(int vrow, int lane, F&& f) {
+  const int fr = lane >> 2, fc = fc_of(lane);
+#pragma unroll
+  for (int j = 0; j < DK / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f(j, e, vrow + fr + (e >> 1) * 8, j * 8 + fc + (e & 1));
+  }
+}
+
 // Initial S^T fragments of this warp's value rows vrow..vrow+15 (C fragment of n8 tile j: S[j][e]):
 // the caller's initial state (full pass only) with the local states of the earlier segments folded
 // in (S = 2^{d_s} S + S_loc_s, written by pass 1).
@@ -175,47 +187,33 @@ template <int DK, int BV>
 __device__ __forceinline__ void load_initial_state(float (&S)[DK / 8][4], const ForwardParams& p, const SegmentArgs& sa,
                                                    bool full, int64_t n, int64_t m, int64_t h, int64_t v0, int vrow,
                                                    int lane) {
-  const int fr = lane >> 2, fc = fc_of(lane);
   const bool have_h0 = full && p.initial_state != nullptr;
-#pragma unroll
-  for (int j = 0; j < DK / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int vv = vrow + fr + (e >> 1) * 8;
-      const int kk = j * 8 + fc + (e & 1);
-      float x = 0.f;
-      if (have_h0 && kk < p.K && v0 + vv < p.V) {
-        x = p.initial_state[state_index(p.h0_stride, p.state_v_first, n, h, kk, v0 + vv)];
-      }
-      if (full) {
-        for (int64_t s = 0; s < m; ++s) {
-          const int64_t si = (n * sa.max_segments + s) * p.H + h;
-          const float d = sa.seg_decay[si * DK + kk];
-          const float loc = sa.seg_states[(si * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk];
-          x = fast_exp2(d) * x + loc;
-        }
-      }
-      S[j][e] = x;
+  for_each_state_entry<DK>(vrow, lane, [&](int j, int e, int vv, int kk) {
+    float x = 0.f;
+    if (have_h0 && kk < p.K && v0 + vv < p.V) {
+      x = p.initial_state[state_index(p.h0_stride, p.state_v_first, n, h, kk, v0 + vv)];
     }
-  }
+    if (full) {
+      for (int64_t s = 0; s < m; ++s) {
+        const int64_t si = (n * sa.max_segments + s) * p.H + h;
+        const float d = sa.seg_decay[si * DK + kk];
+        const float loc = sa.seg_states[(si * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk];
+        x = fast_exp2(d) * x + loc;
+      }
+    }
+    S[j][e] = x;
+  });
 }
 
 // The caller's final state from this warp's S^T fragments (entries beyond K or V skipped).
 template <int DK>
 __device__ __forceinline__ void store_final_state(const float (&S)[DK / 8][4], const ForwardParams& p, int64_t n,
                                                   int64_t h, int64_t v0, int vrow, int lane) {
-  const int fr = lane >> 2, fc = fc_of(lane);
-#pragma unroll
-  for (int j = 0; j < DK / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int vv = vrow + fr + (e >> 1) * 8;
-      const int kk = j * 8 + fc + (e & 1);
-      if (kk < p.K && v0 + vv < p.V) {
-        p.final_state[state_index(p.ht_stride, p.state_v_first, n, h, kk, v0 + vv)] = S[j][e];
-      }
+  for_each_state_entry<DK>(vrow, lane, [&](int j, int e, int vv, int kk) {
+    if (kk < p.K && v0 + vv < p.V) {
+      p.final_state[state_index(p.ht_stride, p.state_v_first, n, h, kk, v0 + vv)] = S[j][e];
     }
-  }
+  });
 }
 
 // Pass 1's output: this warp's S^T fragments as the segment's local state (seg_index = (sequence,
@@ -223,16 +221,9 @@ __device__ __forceinline__ void store_final_state(const float (&S)[DK / 8][4], c
 template <int DK, int BV>
 __device__ __forceinline__ void store_segment_state(const float (&S)[DK / 8][4], const SegmentArgs& sa,
                                                     int64_t seg_index, int64_t v0, int vrow, int lane) {
-  const int fr = lane >> 2, fc = fc_of(lane);
-#pragma unroll
-  for (int j = 0; j < DK / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int vv = vrow + fr + (e >> 1) * 8;
-      const int kk = j * 8 + fc + (e & 1);
-      sa.seg_states[(seg_index * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk] = S[j][e];
-    }
-  }
+  for_each_state_entry<DK>(vrow, lane, [&](int j, int e, int vv, int kk) {
+    sa.seg_states[(seg_index * (int64_t(sa.value_tiles) * BV) + v0 + vv) * DK + kk] = S[j][e];
+  });
 }
 
 // A's off-diagonal 16x16 block (i, j), i > j, on tensor cores, pivoted at the last row of
