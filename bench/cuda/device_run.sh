@@ -12,7 +12,7 @@
 # $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/
 # and carry .devtmp to skip fla's ~80 s autotune per shape next time).
 # Next call (docs/cuda_backend.md, "Status and what is next"):
-#   bash bench/cuda/device_run.sh check split4 deep1 ncusrc
+#   bash bench/cuda/device_run.sh check split4 deep1 slev ncusrc
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 LOG="$OUT/logs"
@@ -74,6 +74,9 @@ for step in "$@"; do
     deep1) # pass 1 of the segment split on deeper load rings (GLA_CUDA_KERNEL=ws-deep1; not yet run on a GPU)
       GLA_CUDA_KERNEL=ws-deep1 timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_deep1.log" | grep -v "^ok "
       for v in auto ws-deep1 auto ws-deep1; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 1x32768x16x128 varlen 2x16384x32x64; done 2>&1 | tee "$LOG/bench_deep1.log" ;;
+    slev) # A's level products in the state group (GLA_CUDA_KERNEL=ws-slev; not yet run on a GPU)
+      GLA_CUDA_KERNEL=ws-slev timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_slev.log" | grep -v "^ok "
+      for v in auto ws-slev auto ws-slev; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 32x1024x16x128; done 2>&1 | tee "$LOG/bench_slev.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
       for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log"
       # the kernel with the mbarrier hand-off: correctness, speed, racecheck

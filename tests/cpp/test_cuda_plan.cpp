@@ -53,8 +53,8 @@ ForwardPlan plan_for(const Shape& s, const std::vector<int64_t>& offsets = {}) {
 }
 
 // Variants as GLA_CUDA_KERNEL spells them (cuda_backend.cpp): 0 auto, 1 mma-diag, 2 plain,
-// 3 ws-split, 4 ws, 5 ws-split4, 6 ws-deep1. Kernels: 0 plain, 1 mma-diag, 2 ws, 3 ws split
-// items, 5 ws four threads per item.
+// 3 ws-split, 4 ws, 5 ws-split4, 6 ws-deep1, 7 ws-slev. Kernels: 0 plain, 1 mma-diag, 2 ws, 3 ws
+// split items, 5 ws four threads per item.
 TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
   struct Row {
     Shape s;
@@ -69,6 +69,8 @@ TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
       {{.variant = 3}, 3, 128, 128, 1, 0},                               // split items at K = 128
       {{.variant = 6}, 2, 128, 128, 1, 1},                               // deep pass 1, else auto
       {{.K = 64, .V = 64, .variant = 6}, 3, 64, 64, 1, 1},
+      {{.variant = 7}, 2, 128, 128, 1, 0},                               // level products in the state group
+      {{.K = 64, .V = 64, .variant = 7}, 3, 64, 64, 1, 0},
       {{.variant = 1}, 1, 128, 128, 1, 0},                               // mma-diag
       {{.variant = 2}, 0, 128, 128, 1, 0},                               // plain
       {{.gate_dtype = cuda::kF32}, 1, 128, 128, 1, 0},                   // fp32 per-key gate
@@ -89,6 +91,7 @@ TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
     EXPECT_EQ(plan.value_tile, r.value_tile);
     EXPECT_EQ(plan.value_tiles, r.value_tiles);
     EXPECT_EQ(plan.local_deep, r.local_deep);
+    EXPECT_EQ(plan.state_levels, r.s.variant == 7 ? 1 : 0);
   }
 }
 

@@ -208,7 +208,7 @@ __device__ __forceinline__ void write_level_split(uint16_t* base, int pq, int hf
 #define GLA_WS640_STATE_REGS "160"
 #endif
 // Barrier ids (0 is __syncthreads).
-constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
+constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5, kBarLevelsFree = 7;
 
 // RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk). 8 (split
 // items): two prep threads per item, each with 8 rows, exchanging their row totals through shared
@@ -221,7 +221,12 @@ constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 // deeper load rings (k and g two chunks ahead in the unused level-copy tiles, v three stages):
 // opt-in (GLA_CUDA_KERNEL=ws-deep1), not yet run on a GPU. Pass 1 has little arithmetic per chunk,
 // so with one chunk of loads in flight it runs at the loads' latency, not their bandwidth.
-template <int DK, typename E, int RS = 16, int LOCAL = 0>
+// SLEV (opt-in GLA_CUDA_KERNEL=ws-slev, full pass only; not yet run on a GPU): the state group,
+// which otherwise idles at READY, computes the 12 level products of A right after READY(c) and
+// arrives at LEVELS_FREE when it has read the level copies; the prep group keeps the off-diagonal
+// blocks and the diagonal entries and waits for LEVELS_FREE(c) before writing chunk c+1's level
+// copies. A's entries from the two groups are disjoint.
+template <int DK, typename E, int RS = 16, int LOCAL = 0, bool SLEV = false>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -250,6 +255,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   // Pass 1 of a segment split: only the segment's local state (from zero) and its total log2
   // decay -- no q, A, o. The last segment's is never needed.
   constexpr bool full = LOCAL == 0;
+  static_assert(!SLEV || full, "state-group level products: full pass only");
   constexpr bool deep = LOCAL == 2;
   if (!full && m >= nseg - 1) return;
   const int64_t seg_index = (n * sa.max_segments + m) * p.H + h;
@@ -502,6 +508,11 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           f1 *= e1[r];
         }
       }
+      // SLEV: the state group has read chunk c-1's level copies (one LEVELS_FREE phase per chunk:
+      // the state group arrives for chunk c only after READY(c), which follows this wait).
+      if constexpr (SLEV) {
+        if (c > c_begin) named_sync(kBarLevelsFree, NT);
+      }
       if (prep_math && full) {
         if constexpr (HALVES == 1) {
           const int at = sub * 16 * L.pq + k0;
@@ -572,7 +583,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         };
         constexpr int NW = NP / 32;
         static_assert(NW == 4 || NW == 8 || NW == 16, "A task split");
-        if (prep_math && full) {
+        if (prep_math && full && SLEV) {
+          for (int task = warp; task < 6; task += NW) offdiag(task);  // the levels: state group
+        } else if (prep_math && full) {
           if constexpr (NW == 16) {
             if (warp < 6) {
               offdiag(warp);
@@ -666,6 +679,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       sa.seg_decay[seg_index * DK + k0] = dsum0;
       sa.seg_decay[seg_index * DK + k0 + 1] = dsum1;
     }
+    // SLEV: the state group's LEVELS_FREE of the last chunk, which the loop did not wait for.
+    if constexpr (SLEV) {
+      if (c_begin < c_end) named_sync(kBarLevelsFree, NT);
+    }
     // Balance the FREE barriers of the last (up to) two chunks, which the loop did not wait for.
     if (!use_mbar) {
       for (int64_t c = gla_max64(c_begin, c_end - 2); c < c_end; ++c) named_sync(kBarFree0 + static_cast<int>(c & 1), NT);
@@ -735,6 +752,16 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
       } else {
         named_sync(kBarReady0 + slot, NT);
+      }
+      if constexpr (SLEV) {
+        // A's level products of chunk c (tasks: sub-chunk x level), then the copies are free.
+        uint16_t* Aw = reinterpret_cast<uint16_t*>(smem + L.a(slot));
+        for (int task = swarp; task < 12; task += NS / 32) {
+          level_block<DK, X>(Aw, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
+                             8 >> (task % 3), lane);
+        }
+        named_arrive(kBarLevelsFree, NT);
+        named_sync(kBarState, NS);  // every level entry of A is written
       }
 
       float acc[8][4] = {};

@@ -39,10 +39,11 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   // Kernel choice: the warp-specialised kernel needs cp.async rows and a 16-bit per-key gate or a
   // per-head gate (an fp32 per-key gate does not fit its shared memory); the others take anything.
   const bool ws_ok = p.vector_loads && (p.gate_per_head || gate_bytes == 2);
-  // Variants: 0 auto, 1 mma-diag, 2 plain, 3 ws-split, 4 ws, 5 ws-split4, 6 ws-deep1 (see
+  // Variants: 0 auto, 1 mma-diag, 2 plain, 3 ws-split, 4 ws, 5 ws-split4, 6 ws-deep1, 7 ws-slev (see
   // ForwardParams::kernel_variant).
   plan.local_deep = p.kernel_variant == 6 ? 1 : 0;
-  const int v = p.kernel_variant == 6 ? 0 : p.kernel_variant;
+  plan.state_levels = p.kernel_variant == 7 ? 1 : 0;
+  const int v = p.kernel_variant == 6 || p.kernel_variant == 7 ? 0 : p.kernel_variant;
   plan.kernel = v == 2 ? 0 : ((v == 0 || v >= 3) && ws_ok ? 2 : 1);
   // Split element-wise items: measured 1.50x faster than unsplit at K <= 64 (B4 T8192 H32 D64,
   // bench/results/cuda_forward.md); at K = 128 opt-in until measured.
