@@ -11,8 +11,8 @@
 # A device call returns at most 8 files from $OUT: the logs go to $OUT/logs/ and come back as one
 # $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/
 # and carry .devtmp to skip fla's ~80 s autotune per shape next time).
-# Next call (docs/cuda_backend.md, "Status and what is next"):
-#   bash bench/cuda/device_run.sh check split4 deep1 slev ncusrc
+# Typical calls: `check bench ab` after a kernel change (carry build-cuda/harness); `check gtest
+# pytest fla` before calling GPU work done (carry the library, tests, .whl, .devtmp).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 LOG="$OUT/logs"
@@ -67,16 +67,10 @@ for step in "$@"; do
       for v in ws ws-split auto; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done 2>&1 | tee "$LOG/bench_split128.log"
       [ -x build-cuda/harness_r64 ] && GLA_CUDA_KERNEL=ws-split ./build-cuda/harness_r64 bench 8x4096x16x128 1x32768x16x128 32x1024x16x128 2>&1 | tee "$LOG/bench_r64.log"
       for m in 32 64 96; do echo "skip $m"; GLA_CUDA_KERNEL=ws-split GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips_split.log" ;;
-    split4) # four threads per element-wise item at K <= 64 (GLA_CUDA_KERNEL=ws-split4; not yet run on a GPU)
-      GLA_CUDA_KERNEL=ws-split4 timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_split4.log" | grep -v "^ok "
-      grep -c "chunk-ws-split4" "$LOG/check_split4.log"
-      for v in ws-split ws-split4 ws-split ws-split4; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 4x8192x32x64 8x4096x16x64; done 2>&1 | tee "$LOG/bench_split4.log" ;;
-    deep1) # pass 1 of the segment split on deeper load rings (GLA_CUDA_KERNEL=ws-deep1; not yet run on a GPU)
-      GLA_CUDA_KERNEL=ws-deep1 timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_deep1.log" | grep -v "^ok "
-      for v in auto ws-deep1 auto ws-deep1; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 1x32768x16x128 varlen 2x16384x32x64; done 2>&1 | tee "$LOG/bench_deep1.log" ;;
-    slev) # A's level products in the state group (GLA_CUDA_KERNEL=ws-slev; not yet run on a GPU)
-      GLA_CUDA_KERNEL=ws-slev timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_slev.log" | grep -v "^ok "
-      for v in auto ws-slev auto ws-slev; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 32x1024x16x128; done 2>&1 | tee "$LOG/bench_slev.log" ;;
+    ab) # A/B of the shipped variants against the default on the five issue cases (two rounds)
+      for r in 1 2; do for v in auto ws ws-split; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done; done 2>&1 | tee "$LOG/bench_ab.log" ;;
+    checkvar) # correctness of the opt-in variants (the default is the check step)
+      for v in ws ws-split mma-diag; do GLA_CUDA_KERNEL=$v timeout 150 ./build-cuda/harness check 2>&1 | tail -1 | sed "s/^/$v: /"; done 2>&1 | tee "$LOG/check_variants.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
       for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log"
       # the kernel with the mbarrier hand-off: correctness, speed, racecheck

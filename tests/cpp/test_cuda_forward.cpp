@@ -280,7 +280,7 @@ TEST(CudaForward, ExplainNamesTheKernel) {
   const char* text = nullptr;
   for (const auto& [dtype, K, want] :
        {std::tuple{GLA_DTYPE_BF16, int64_t(128), "warp-specialised chunk kernel (prep"},
-        std::tuple{GLA_DTYPE_BF16, int64_t(64), "warp-specialised chunk kernel with split element-wise items"},
+        std::tuple{GLA_DTYPE_BF16, int64_t(64), "warp-specialised chunk kernel with element-wise items split two ways"},
         std::tuple{GLA_DTYPE_F32, int64_t(64), "recurrent kernel"}}) {
     Case c = base_case(dtype, 1, 64, 1, K);
     const Inputs in = make_inputs(c);

@@ -53,33 +53,30 @@ ForwardPlan plan_for(const Shape& s, const std::vector<int64_t>& offsets = {}) {
 }
 
 // Variants as GLA_CUDA_KERNEL spells them (cuda_backend.cpp): 0 auto, 1 mma-diag, 2 plain,
-// 3 ws-split, 4 ws, 5 ws-split4, 6 ws-deep1, 7 ws-slev. Kernels: 0 plain, 1 mma-diag, 2 ws, 3 ws
-// split items, 5 ws four threads per item.
+// 3 ws-split, 4 ws, 5 ws-split4. Kernels: 0 plain, 1 mma-diag, 2 ws, 3 ws two threads per item,
+// 5 ws four threads per item.
 TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
   struct Row {
     Shape s;
-    int kernel, head_dim_k, value_tile, value_tiles, local_deep;
+    int kernel, head_dim_k, value_tile, value_tiles;
   };
   const std::vector<Row> rows = {
-      {{}, 2, 128, 128, 1, 0},                                           // D128: ws
-      {{.K = 64, .V = 64}, 3, 64, 64, 1, 0},                             // D64: split items
-      {{.K = 64, .V = 64, .variant = 4}, 2, 64, 64, 1, 0},               // ws without split
-      {{.K = 64, .V = 64, .variant = 5}, 5, 64, 64, 1, 0},               // four threads per item
-      {{.variant = 5}, 2, 128, 128, 1, 0},                               // ... only at K <= 64
-      {{.variant = 3}, 3, 128, 128, 1, 0},                               // split items at K = 128
-      {{.variant = 6}, 2, 128, 128, 1, 1},                               // deep pass 1, else auto
-      {{.K = 64, .V = 64, .variant = 6}, 3, 64, 64, 1, 1},
-      {{.variant = 7}, 2, 128, 128, 1, 0},                               // level products in the state group
-      {{.K = 64, .V = 64, .variant = 7}, 3, 64, 64, 1, 0},
-      {{.variant = 1}, 1, 128, 128, 1, 0},                               // mma-diag
-      {{.variant = 2}, 0, 128, 128, 1, 0},                               // plain
-      {{.gate_dtype = cuda::kF32}, 1, 128, 128, 1, 0},                   // fp32 per-key gate
-      {{.gate_dtype = cuda::kF32, .per_head = 1}, 2, 128, 128, 1, 0},    // fp32 per-head gate
-      {{.vector_loads = 0}, 1, 128, 128, 1, 0},                          // unaligned rows
-      {{.K = 60, .V = 60, .vector_loads = 0}, 1, 64, 64, 1, 0},
-      {{.K = 64, .V = 128}, 3, 64, 64, 2, 0},                            // V tiled by the padded K
-      {{.K = 100, .V = 200, .vector_loads = 1}, 2, 128, 128, 2, 0},
-      {{.dtype = cuda::kF16}, 2, 128, 128, 1, 0},
+      {{}, 2, 128, 128, 1},                                           // D128: ws
+      {{.K = 64, .V = 64}, 3, 64, 64, 1},                             // D64: two threads per item
+      {{.K = 64, .V = 64, .variant = 4}, 2, 64, 64, 1},               // ws, one thread per item
+      {{.K = 64, .V = 64, .variant = 3}, 3, 64, 64, 1},               // two threads per item
+      {{.K = 64, .V = 64, .variant = 5}, 5, 64, 64, 1},               // four per item
+      {{.variant = 5}, 2, 128, 128, 1},                               // ... only at K <= 64
+      {{.variant = 3}, 3, 128, 128, 1},                               // two per item at K = 128
+      {{.variant = 1}, 1, 128, 128, 1},                               // mma-diag
+      {{.variant = 2}, 0, 128, 128, 1},                               // plain
+      {{.gate_dtype = cuda::kF32}, 1, 128, 128, 1},                   // fp32 per-key gate
+      {{.gate_dtype = cuda::kF32, .per_head = 1}, 2, 128, 128, 1},    // fp32 per-head gate
+      {{.vector_loads = 0}, 1, 128, 128, 1},                          // unaligned rows
+      {{.K = 60, .V = 60, .vector_loads = 0}, 1, 64, 64, 1},
+      {{.K = 64, .V = 128}, 3, 64, 64, 2},                            // V tiled by the padded K
+      {{.K = 100, .V = 200, .vector_loads = 1}, 2, 128, 128, 2},
+      {{.dtype = cuda::kF16}, 2, 128, 128, 1},
   };
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
@@ -90,8 +87,6 @@ TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
     EXPECT_EQ(plan.head_dim_k, r.head_dim_k);
     EXPECT_EQ(plan.value_tile, r.value_tile);
     EXPECT_EQ(plan.value_tiles, r.value_tiles);
-    EXPECT_EQ(plan.local_deep, r.local_deep);
-    EXPECT_EQ(plan.state_levels, r.s.variant == 7 ? 1 : 0);
   }
 }
 

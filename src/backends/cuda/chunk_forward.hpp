@@ -46,12 +46,10 @@ struct ForwardParams {
   int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
   int32_t debug_skip;    // profiling only (0 in production): bit mask of chunk-kernel phases to skip
   // Which chunk kernel the planner may pick (GLA_CUDA_KERNEL): 0 auto (the warp-specialised kernel
-  // where it applies -- with split element-wise items at K <= 64 --, else the tensor-core-diagonal
-  // one), 1 mma-diag, 2 plain (element-wise diagonal blocks), 3 ws-split (the warp-specialised
-  // kernel with split element-wise items), 4 ws (without), 5 ws-split4 (four threads per item at
-  // K <= 64, else as auto; not yet run on a GPU), 6 ws-deep1 (as auto, with pass 1 of a segment
-  // split on deeper load rings; not yet run on a GPU), 7 ws-slev (as auto, with A's level products
-  // in the state group; not yet run on a GPU). Kept for A/B timing and as a fallback.
+  // where it applies -- with two threads per element-wise item at K <= 64 --, else the
+  // tensor-core-diagonal one), 1 mma-diag, 2 plain (element-wise diagonal blocks), 3 ws-split (the
+  // warp-specialised kernel with two threads per item, at any K), 4 ws (one thread per item), 5
+  // ws-split4 (four threads per item at K <= 64, else as auto). Kept for A/B timing and as a fallback.
   int32_t kernel_variant;
 };
 
@@ -61,10 +59,8 @@ struct ForwardPlan {
   int32_t head_dim_k = 0;        // 64 or 128 (padded K)
   int32_t value_tile = 0;        // 64 or 128
   int32_t value_tiles = 0;
-  int32_t kernel = 0;            // 0 plain, 1 mma-diag, 2 warp-specialised (mma-diag numerics), 3 ws split items,
-                                 // 5 ws four threads per item
-  int32_t local_deep = 0;        // ws pass 1 on deeper load rings (GLA_CUDA_KERNEL=ws-deep1)
-  int32_t state_levels = 0;      // ws: A's level products in the state group (GLA_CUDA_KERNEL=ws-slev)
+  int32_t kernel = 0;            // 0 plain, 1 mma-diag, 2 warp-specialised (mma-diag numerics), 3 ws two
+                                 // threads per element-wise item, 5 ws four threads per item
   int64_t segment_chunks = 0;  // segment length in 64-token chunks
   int64_t max_segments = 0;    // per sequence (grid size)
   size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1)

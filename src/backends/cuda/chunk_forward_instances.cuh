@@ -47,25 +47,16 @@ cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* 
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
   const WsSmem L = ws_smem_layout(DK, p.gate_per_head != 0, 16 / RS);
   auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0>;
-  // Pass 1: the deeper-ring instance only on request (plan.local_deep; not instantiated for the
-  // four-threads-per-item variant).
-  auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;
-  auto deep_kernel = local_kernel;
-  if constexpr (RS != 4) deep_kernel = chunk_forward_ws_kernel<DK, E, RS, 2>;
-  // The full pass with the level products in the state group (plan.state_levels).
-  auto slev_kernel = kernel;
-  if constexpr (RS != 4) slev_kernel = chunk_forward_ws_kernel<DK, E, RS, 0, true>;
+  auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;  // pass 1 of a segment split
   static int raised = 0;
   if (raised < L.total) {
     cudaError_t err = cudaSuccess;
-    for (auto k : {kernel, local_kernel, deep_kernel, slev_kernel}) {
+    for (auto k : {kernel, local_kernel}) {
       if (err == cudaSuccess) err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
     }
     if (err != cudaSuccess) return err;
     raised = L.total;
   }
-  if (plan.local_deep) local_kernel = deep_kernel;
-  if (plan.state_levels) kernel = slev_kernel;
   SegmentArgs sa{};
   sa.segment_chunks = plan.segment_chunks;
   sa.max_segments = plan.max_segments;

@@ -242,14 +242,15 @@ __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16
     ldsm_x4(a, qw + arow * pq + kk * 16 + acol);
     ldsm_x4(b, kw + brow * pq + kk * 16 + bcol);
     if (i - j > 1) {
-      // Fold 2^{sum_{j<l<i} Tot_l} (<= 1) into the query fragment.
+      // Fold 2^{sum_{j<l<i} Tot_l} (<= 1) into the query fragment. i - j is 2 or 3: one or two
+      // totals, written out (a run-time loop here unrolled into ~3 k SASS instructions of branchy code).
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int kcol = kk * 16 + half * 8 + fc;
-        float f0 = 0.f, f1 = 0.f;
-        for (int l = j + 1; l < i; ++l) {
-          f0 += tot[l * DK + kcol];
-          f1 += tot[l * DK + kcol + 1];
+        float f0 = tot[(j + 1) * DK + kcol], f1 = tot[(j + 1) * DK + kcol + 1];
+        if (i - j > 2) {
+          f0 += tot[(j + 2) * DK + kcol];
+          f1 += tot[(j + 2) * DK + kcol + 1];
         }
         f0 = fast_exp2(f0);
         f1 = fast_exp2(f1);
@@ -272,15 +273,15 @@ __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16
   }
 }
 
-// One pivot level's products inside sub-chunk `sub` (level copy `src`, half size h): one m16n8 tile
+// One pivot level's products inside sub-chunk `sub` (level copy `src`, half size H): one m16n8 tile
 // per k-step pair with the 8 key members gathered by per-lane ldmatrix addresses; the entries whose
-// pair this level splits go to A, the cross terms (finite) are dropped by the select.
-template <int DK, typename X>
-__device__ __forceinline__ void level_block(uint16_t* As, int pa, const uint16_t* src, int pq, int sub, int h,
-                                            int lane) {
+// pair this level splits go to A, the cross terms (finite) are dropped by the select. H is a
+// template parameter: with a run-time H every index below was an integer division.
+template <int DK, int H, typename X>
+__device__ __forceinline__ void level_block(uint16_t* As, int pa, const uint16_t* src, int pq, int sub, int lane) {
   const int mi = lane >> 3, fr = lane >> 2, fc = fc_of(lane);
   const int jb = lane & 7;
-  const int key_row = sub * 16 + (jb / h) * 2 * h + (jb % h);  // gathered key member
+  const int key_row = sub * 16 + (jb / H) * 2 * H + (jb % H);  // gathered key member
   const int arow = sub * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
   // Two independent mma chains (even and odd k-steps), summed at the end.
   float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -298,10 +299,22 @@ __device__ __forceinline__ void level_block(uint16_t* As, int pa, const uint16_t
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int t = fr + (e >> 1) * 8, j = fc + (e & 1);
-    const int s = (j / h) * 2 * h + (j % h);
-    if (t / (2 * h) == j / h && (t % (2 * h)) >= h) {
+    const int s = (j / H) * 2 * H + (j % H);
+    if (t / (2 * H) == j / H && (t % (2 * H)) >= H) {
       As[(sub * 16 + t) * pa + sub * 16 + s] = X::from_float(acc[e]);
     }
+  }
+}
+
+// level_block for a run-time level (0..3: H = 8, 4, 2, 1), one compiled body per level.
+template <int DK, typename X>
+__device__ __forceinline__ void level_block_at(uint16_t* As, int pa, const uint16_t* src, int pq, int sub, int level,
+                                               int lane) {
+  switch (level) {
+    case 0: level_block<DK, 8, X>(As, pa, src, pq, sub, lane); break;
+    case 1: level_block<DK, 4, X>(As, pa, src, pq, sub, lane); break;
+    case 2: level_block<DK, 2, X>(As, pa, src, pq, sub, lane); break;
+    default: level_block<DK, 1, X>(As, pa, src, pq, sub, lane); break;
   }
 }
 
@@ -382,8 +395,8 @@ __device__ __forceinline__ void mma_diag_levels(const ChunkSmem& L, int tid, int
                                                 bool per_head, int gate_bytes) {
   for (int task = warp; task < 16; task += NW) {
     const int sub = task >> 2, level = task & 3;
-    level_block<DK, X>(As, L.pa, level_copy<X>(level, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub,
-                       8 >> level, lane);
+    level_block_at<DK, X>(As, L.pa, level_copy<X>(level, qs, ks, gs, smem, L, per_head, gate_bytes), L.pq, sub,
+                          level, lane);
   }
   // A[t,t] = q_t . k_t: the partials of the sub-chunk's warps (DK/2 threads: one or two warps).
   const float* dpart = reinterpret_cast<const float*>(smem + L.dpart);

@@ -208,7 +208,7 @@ __device__ __forceinline__ void write_level_split(uint16_t* base, int pq, int hf
 #define GLA_WS640_STATE_REGS "160"
 #endif
 // Barrier ids (0 is __syncthreads).
-constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5, kBarLevelsFree = 7;
+constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 
 // RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk). 8 (split
 // items): two prep threads per item, each with 8 rows, exchanging their row totals through shared
@@ -217,16 +217,10 @@ constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5, kBarLe
 // 4: four threads per item (DK = 64 only: 640 threads; opt-in GLA_CUDA_KERNEL=ws-split4, not yet
 // run on a GPU).
 // LOCAL: 0 the full pass; 1 pass 1 of a segment split, a separate instance so that the full pass's
-// code is exactly the one without it (a run-time flag cost the full pass 2-6%); 2 pass 1 with
-// deeper load rings (k and g two chunks ahead in the unused level-copy tiles, v three stages):
-// opt-in (GLA_CUDA_KERNEL=ws-deep1), not yet run on a GPU. Pass 1 has little arithmetic per chunk,
-// so with one chunk of loads in flight it runs at the loads' latency, not their bandwidth.
-// SLEV (opt-in GLA_CUDA_KERNEL=ws-slev, full pass only; not yet run on a GPU): the state group,
-// which otherwise idles at READY, computes the 12 level products of A right after READY(c) and
-// arrives at LEVELS_FREE when it has read the level copies; the prep group keeps the off-diagonal
-// blocks and the diagonal entries and waits for LEVELS_FREE(c) before writing chunk c+1's level
-// copies. A's entries from the two groups are disjoint.
-template <int DK, typename E, int RS = 16, int LOCAL = 0, bool SLEV = false>
+// code is exactly the one without it (a run-time flag cost the full pass 2-6%).
+// (Measured and dropped in session 4: pass 1 on deeper load rings, no change; A's level products
+// in the state group, 1-8% slower. bench/results/cuda_forward.md.)
+template <int DK, typename E, int RS = 16, int LOCAL = 0>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -255,8 +249,6 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   // Pass 1 of a segment split: only the segment's local state (from zero) and its total log2
   // decay -- no q, A, o. The last segment's is never needed.
   constexpr bool full = LOCAL == 0;
-  static_assert(!SLEV || full, "state-group level products: full pass only");
-  constexpr bool deep = LOCAL == 2;
   if (!full && m >= nseg - 1) return;
   const int64_t seg_index = (n * sa.max_segments + m) * p.H + h;
   const int64_t c_begin = m * sa.segment_chunks;
@@ -294,12 +286,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     if constexpr (NT == 640) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS640_PREP_REGS ";\n" ::);
 #endif
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem + L.q);
-    // Raw k and g of load stage s (the deep pass 1 alternates with the level-copy tiles it leaves
-    // unused; everything else has stage 0 only).
-    auto kbuf = [&](int s) { return smem + (s ? L.lvl(0) : L.k); };
-    auto gbuf = [&](int s) { return smem + (s ? L.lvl(1) : L.g); };
-    uint16_t* ks = reinterpret_cast<uint16_t*>(kbuf(0));
-    unsigned char* gs = gbuf(0);
+    const uint16_t* ks = reinterpret_cast<const uint16_t*>(smem + L.k);
+    const unsigned char* gs = smem + L.g;
     float* tot = reinterpret_cast<float*>(smem + L.tot);
     float* dpart = reinterpret_cast<float*>(smem + L.dpart);
     // Item: column pair cp, sub-chunk sub, half hf (rows row0 .. row0 + RS - 1 of the sub-chunk).
@@ -318,23 +306,29 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     const char* q_seq = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + seq.bos * p.q_stride[1] + h * p.q_stride[2] + lc * 8) * esz;
     const char* k_seq = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + seq.bos * p.k_stride[1] + h * p.k_stride[2] + lc * 8) * esz;
     const char* g_seq = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + seq.bos * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
-    auto issue_loads = [&](int64_t chunk, int stage) {
+    auto issue_loads = [&](int64_t chunk) {
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
       const int64_t r0 = chunk * kChunk + lr0;
+      // Row pointers advance by kRowStep rows per copy: one 64-bit add each (written as
+      // base + j * step, every copy cost a 64-bit multiply).
       const char* qr = q_seq + r0 * q_rs;
       const char* kr = k_seq + r0 * k_rs;
       const char* gr = g_seq + r0 * g_rs + lc * 16;
+      const int64_t q_step = kRowStep * q_rs, k_step = kRowStep * k_rs, g_step = kRowStep * g_rs;
 #pragma unroll
       for (int j = 0; j < kLoadIters; ++j) {
         const int r = lr0 + j * kRowStep;
         const bool ok = col_ok && r < rows;
         const int so = (r * L.pr + lc * 8) * 2;
-        if (full) cp_async16(smem + L.q + so, ok ? qr + j * kRowStep * q_rs : p.q, ok);
-        cp_async16(kbuf(stage) + so, ok ? kr + j * kRowStep * k_rs : p.k, ok);
-        if (!per_head) cp_async16(gbuf(stage) + so, ok ? gr + j * kRowStep * g_rs : p.g, ok);
+        if (full) cp_async16(smem + L.q + so, ok ? qr : p.q, ok);
+        cp_async16(smem + L.k + so, ok ? kr : p.k, ok);
+        if (!per_head) cp_async16(smem + L.g + so, ok ? gr : p.g, ok);
+        qr += q_step;
+        kr += k_step;
+        gr += g_step;
       }
       const char* gb = g_seq + chunk * kChunk * g_rs;
-      unsigned char* gst = gbuf(stage);
+      unsigned char* gst = smem + L.g;
       if (per_head) {
         for (int r = tid; r < kChunk; r += NP) {
           const bool ok = r < rows;
@@ -349,26 +343,14 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     };
 
     float dsum0 = 0.f, dsum1 = 0.f;  // pass 1: the segment's total log2 decay (columns k0, k0 + 1)
-    if (c_begin < c_end) issue_loads(c_begin, 0);
-    if (deep && c_begin + 1 < c_end) issue_loads(c_begin + 1, 1);
+    if (c_begin < c_end) issue_loads(c_begin);
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int slot = static_cast<int>(c & 1);
       uint16_t* qw = reinterpret_cast<uint16_t*>(smem + L.qw(slot));
       uint16_t* kw = reinterpret_cast<uint16_t*>(smem + L.kw(slot));
       uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a(slot));
       float* dfac = reinterpret_cast<float*>(smem + L.dfac(slot));
-      const int stage = deep ? static_cast<int>((c - c_begin) & 1) : 0;
-      if constexpr (deep) {
-        ks = reinterpret_cast<uint16_t*>(kbuf(stage));
-        gs = gbuf(stage);
-        if (c + 1 < c_end) {
-          cp_async_wait_one();  // chunk c's group; chunk c+1's may still be in flight
-        } else {
-          cp_async_wait_all();
-        }
-      } else {
-        cp_async_wait_all();
-      }
+      cp_async_wait_all();
       named_sync(kBarPrep, NP);  // raw stage complete; the last chunk's tot/dpart readers are done
 
       const bool prep_math = !(p.debug_skip & 64);  // profiling: 64 = hand-offs and loads only
@@ -418,11 +400,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         pr[i] = q.x * e0[2 * i + 1] * k.x + q.y * e1[2 * i + 1] * k.y;
       }
       named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
-      if (deep) {
-        if (c + 2 < c_end) issue_loads(c + 2, stage);
-      } else if (c + 1 < c_end) {
-        issue_loads(c + 1, 0);
-      }
+      if (c + 1 < c_end) issue_loads(c + 1);
       // The slot was last used by chunk c-2: wait until the state group is done with it.
       if (c >= c_begin + 2) {
         if (use_mbar) {
@@ -508,11 +486,6 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           f1 *= e1[r];
         }
       }
-      // SLEV: the state group has read chunk c-1's level copies (one LEVELS_FREE phase per chunk:
-      // the state group arrives for chunk c only after READY(c), which follows this wait).
-      if constexpr (SLEV) {
-        if (c > c_begin) named_sync(kBarLevelsFree, NT);
-      }
       if (prep_math && full) {
         if constexpr (HALVES == 1) {
           const int at = sub * 16 * L.pq + k0;
@@ -578,14 +551,12 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
                                (0x010210 >> (4 * task)) & 15, lane);
         };
         auto level = [&](int task) {
-          level_block<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
-                             8 >> (task % 3), lane);
+          level_block_at<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
+                                task % 3, lane);
         };
         constexpr int NW = NP / 32;
         static_assert(NW == 4 || NW == 8 || NW == 16, "A task split");
-        if (prep_math && full && SLEV) {
-          for (int task = warp; task < 6; task += NW) offdiag(task);  // the levels: state group
-        } else if (prep_math && full) {
+        if (prep_math && full) {
           if constexpr (NW == 16) {
             if (warp < 6) {
               offdiag(warp);
@@ -679,10 +650,6 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       sa.seg_decay[seg_index * DK + k0] = dsum0;
       sa.seg_decay[seg_index * DK + k0 + 1] = dsum1;
     }
-    // SLEV: the state group's LEVELS_FREE of the last chunk, which the loop did not wait for.
-    if constexpr (SLEV) {
-      if (c_begin < c_end) named_sync(kBarLevelsFree, NT);
-    }
     // Balance the FREE barriers of the last (up to) two chunks, which the loop did not wait for.
     if (!use_mbar) {
       for (int64_t c = gla_max64(c_begin, c_end - 2); c < c_end; ++c) named_sync(kBarFree0 + static_cast<int>(c & 1), NT);
@@ -705,45 +672,35 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     const bool col_ok = v0 + lc * 8 < p.V;
     const int64_t v_rs = p.v_stride[1] * esz;
     const char* v_seq = static_cast<const char*>(p.v) + (seq.batch * p.v_stride[0] + seq.bos * p.v_stride[1] + h * p.v_stride[2] + v0 + lc * 8) * esz;
-    // v stage s: two stages, and a third in the deep pass 1 (a level-copy tile it leaves unused).
-    auto vbuf = [&](int s) { return smem + (s < 2 ? L.v(s) : L.lvl(2)); };
     auto issue_v = [&](int64_t chunk, int stage) {
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
       const char* vr = v_seq + (chunk * kChunk + lr0) * v_rs;
+      const int64_t v_step = kRowStep * v_rs;
 #pragma unroll
       for (int j = 0; j < kLoadIters; ++j) {
         const int r = lr0 + j * kRowStep;
         const bool ok = col_ok && r < rows;
-        cp_async16(vbuf(stage) + (r * L.pv + lc * 8) * 2, ok ? vr + j * kRowStep * v_rs : p.v, ok);
+        cp_async16(smem + L.v(stage) + (r * L.pv + lc * 8) * 2, ok ? vr : p.v, ok);
+        vr += v_step;
       }
       cp_async_commit();
     };
-    if (c_begin < c_end) issue_v(c_begin, deep ? 0 : static_cast<int>(c_begin & 1));
-    if (deep && c_begin + 1 < c_end) issue_v(c_begin + 1, 1);
+    if (c_begin < c_end) issue_v(c_begin, static_cast<int>(c_begin & 1));
 
     float S[NKT][4];
     load_initial_state<DK, BV>(S, p, sa, full, n, m, h, v0, vrow, lane);
 
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int slot = static_cast<int>(c & 1);
-      const int vstage = deep ? static_cast<int>((c - c_begin) % 3) : slot;
-      uint16_t* vs = reinterpret_cast<uint16_t*>(vbuf(vstage));
+      uint16_t* vs = reinterpret_cast<uint16_t*>(smem + L.v(slot));
       const uint16_t* qw = reinterpret_cast<const uint16_t*>(smem + L.qw(slot));
       const uint16_t* kw = reinterpret_cast<const uint16_t*>(smem + L.kw(slot));
       const uint16_t* As = reinterpret_cast<const uint16_t*>(smem + L.a(slot));
       const float* dfac = reinterpret_cast<const float*>(smem + L.dfac(slot));
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
-      if (deep && c + 1 < c_end) {
-        cp_async_wait_one();
-      } else {
-        cp_async_wait_all();
-      }
+      cp_async_wait_all();
       named_sync(kBarState, NS);  // v of chunk c landed; the stage refilled next was last read at c-1
-      if (deep) {
-        if (c + 2 < c_end) issue_v(c + 2, static_cast<int>((c + 2 - c_begin) % 3));
-      } else if (c + 1 < c_end) {
-        issue_v(c + 1, slot ^ 1);
-      }
+      if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
 
       uint32_t vf[4][4];
       load_v_fragments(vf, vs, L.pv, vrow, lane);
@@ -753,17 +710,6 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       } else {
         named_sync(kBarReady0 + slot, NT);
       }
-      if constexpr (SLEV) {
-        // A's level products of chunk c (tasks: sub-chunk x level), then the copies are free.
-        uint16_t* Aw = reinterpret_cast<uint16_t*>(smem + L.a(slot));
-        for (int task = swarp; task < 12; task += NS / 32) {
-          level_block<DK, X>(Aw, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
-                             8 >> (task % 3), lane);
-        }
-        named_arrive(kBarLevelsFree, NT);
-        named_sync(kBarState, NS);  // every level entry of A is written
-      }
-
       float acc[8][4] = {};
       const bool state_math = !(p.debug_skip & 32);  // profiling: 32 = loads, hand-offs, stores only
       if (state_math) {

@@ -39,17 +39,17 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   // Kernel choice: the warp-specialised kernel needs cp.async rows and a 16-bit per-key gate or a
   // per-head gate (an fp32 per-key gate does not fit its shared memory); the others take anything.
   const bool ws_ok = p.vector_loads && (p.gate_per_head || gate_bytes == 2);
-  // Variants: 0 auto, 1 mma-diag, 2 plain, 3 ws-split, 4 ws, 5 ws-split4, 6 ws-deep1, 7 ws-slev (see
+  // Variants: 0 auto, 1 mma-diag, 2 plain, 3 ws-split, 4 ws, 5 ws-split4 (see
   // ForwardParams::kernel_variant).
-  plan.local_deep = p.kernel_variant == 6 ? 1 : 0;
-  plan.state_levels = p.kernel_variant == 7 ? 1 : 0;
-  const int v = p.kernel_variant == 6 || p.kernel_variant == 7 ? 0 : p.kernel_variant;
+  const int v = p.kernel_variant;
   plan.kernel = v == 2 ? 0 : ((v == 0 || v >= 3) && ws_ok ? 2 : 1);
-  // Split element-wise items: measured 1.50x faster than unsplit at K <= 64 (B4 T8192 H32 D64,
-  // bench/results/cuda_forward.md); at K = 128 opt-in until measured.
-  if (plan.kernel == 2 && (v == 3 || (v == 0 && plan.head_dim_k == 64))) plan.kernel = 3;
-  // Kernel 5: four threads per element-wise item at K <= 64 (opt-in, not yet run on a GPU).
-  if (plan.kernel == 2 && v == 5 && plan.head_dim_k == 64) plan.kernel = 5;
+  // Split element-wise items at K <= 64: two threads per item (kernel 3) are the fastest there
+  // (B4 T8192 H32 D64, session 4: 0.362 ms against 0.407 with four per item and, before A's index
+  // arithmetic was trimmed, 0.557 against 0.888 with one; bench/results/cuda_forward.md). At K = 128
+  // two per item need 768 threads and are slower (0.565 against 0.444 ms; opt-in ws-split).
+  if (plan.kernel == 2 && plan.head_dim_k == 64 && (v == 0 || v == 3)) plan.kernel = 3;
+  if (plan.kernel == 2 && v == 3) plan.kernel = 3;
+  if (plan.kernel == 2 && plan.head_dim_k == 64 && v == 5) plan.kernel = 5;
   plan.value_tile = plan.kernel != 0 ? plan.head_dim_k : (plan.head_dim_k == 128 && p.V > 64 ? 128 : 64);
   plan.value_tiles = static_cast<int32_t>((p.V + plan.value_tile - 1) / plan.value_tile);
   const detail::ChunkSmem L =
