@@ -227,6 +227,18 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
     so = c.cu;
   }
   P.plan = plan_forward(p, so.data(), sms);
+  // GLA_SEGMENT=n (harness only, for calibrating the planner): force segments of n chunks
+  // (0: no split). Workspace as plan_forward sizes it.
+  if (const char* seg = std::getenv("GLA_SEGMENT"); seg != nullptr && P.plan.use_chunk_kernel) {
+    int64_t max_chunks = 0;
+    for (int64_t n = 0; n < P.N; ++n) max_chunks = std::max<int64_t>(max_chunks, (so[n + 1] - so[n] + 63) / 64);
+    const int64_t want = std::atoll(seg);
+    P.plan.segment_chunks = want <= 0 || want >= max_chunks ? std::max<int64_t>(1, max_chunks) : want;
+    P.plan.max_segments = (max_chunks + P.plan.segment_chunks - 1) / P.plan.segment_chunks;
+    if (P.plan.max_segments < 1) P.plan.max_segments = 1;
+    const size_t per = size_t(P.plan.value_tiles) * P.plan.value_tile * P.plan.head_dim_k + P.plan.head_dim_k;
+    P.plan.workspace_bytes = P.plan.max_segments > 1 ? size_t(P.N) * P.plan.max_segments * c.H * per * sizeof(float) : 0;
+  }
   if (P.plan.workspace_bytes) CK(cudaMalloc(&P.d.ws, P.plan.workspace_bytes));
 }
 
