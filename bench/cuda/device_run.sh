@@ -69,6 +69,10 @@ for step in "$@"; do
       for m in 32 64 96; do echo "skip $m"; GLA_CUDA_KERNEL=ws-split GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips_split.log" ;;
     ab) # A/B of the shipped variants against the default on the five issue cases (two rounds)
       for r in 1 2; do for v in auto ws ws-split; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done; done 2>&1 | tee "$LOG/bench_ab.log" ;;
+    abbin) # several harness builds in one call (bench/cuda/build_harness_at.sh REF NAME; carry each
+      # build-cuda/NAME): AB_BINS="harness harness_regs ...", check each, then two interleaved rounds
+      for b in ${AB_BINS:-harness}; do timeout 120 ./build-cuda/$b check 2>&1 | tail -1 | sed "s/^/$b: /"; done 2>&1 | tee "$LOG/check_abbin.log"
+      for r in 1 2; do for b in ${AB_BINS:-harness}; do echo "== $b"; ./build-cuda/$b bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done; done 2>&1 | tee "$LOG/bench_abbin.log" ;;
     checkvar) # correctness of the opt-in variants (the default is the check step)
       for v in ws ws-split mma-diag; do GLA_CUDA_KERNEL=$v timeout 150 ./build-cuda/harness check 2>&1 | tail -1 | sed "s/^/$v: /"; done 2>&1 | tee "$LOG/check_variants.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
