@@ -69,6 +69,8 @@ for step in "$@"; do
       for m in 32 64 96; do echo "skip $m"; GLA_CUDA_KERNEL=ws-split GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips_split.log" ;;
     ab) # A/B of the shipped variants against the default on the five issue cases (two rounds)
       for r in 1 2; do for v in auto ws ws-split; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done; done 2>&1 | tee "$LOG/bench_ab.log" ;;
+    order) # longest-first block order (bench/cuda/prepared/varlen-order.patch) against the natural one (GLA_ORDER=0)
+      for r in 1 2; do for o in 0 1; do echo "GLA_ORDER=$o"; GLA_ORDER=$o ./build-cuda/harness bench varlen 1x32768x16x128 32x1024x16x128 8x4096x16x128; done; done 2>&1 | tee "$LOG/bench_order.log" ;;
     abbin) # several harness builds in one call (bench/cuda/build_harness_at.sh REF NAME; carry each
       # build-cuda/NAME): AB_BINS="harness harness_regs ...", check each, then two interleaved rounds
       for b in ${AB_BINS:-harness}; do timeout 120 ./build-cuda/$b check 2>&1 | tail -1 | sed "s/^/$b: /"; done 2>&1 | tee "$LOG/check_abbin.log"
