@@ -581,16 +581,85 @@ inline void scale_row(int64_t K, const float* x, float s, float* out) {
 inline void fill_ones(int64_t K, float* out) {
   for (int64_t i = 0; i < K; ++i) out[i] = 1.0f;
 }
-// Dot products of rows qs[t] (t < nq) with up to 4 rows ks[u] (u < nk) over K:
-// a[t * lda + u] = mul * (qs[t] . ks[u]).
-inline void dot_rows(int64_t nq, int nk, int64_t K, const float* qs, const float* ks, float mul, float* a, int64_t lda) {
+// out[m] = mul * vsum(x[m]) for m < n <= 4.
+inline void sums_of_4(const vf* x, int n, float mul, float* out) {
+#ifdef GLA_CPU_HAVE_VSUM4
+  vsum4(x[0], n > 1 ? x[1] : vzero(), n > 2 ? x[2] : vzero(), n > 3 ? x[3] : vzero(), mul, out, n);
+#else
+  for (int m = 0; m < n; ++m) out[m] = mul * vsum(x[m]);
+#endif
+}
+// Dot products of rows qs[t] (t < nq) with the 4 rows ks[u] over K:
+// a[t * lda + u] = mul * (qs[t] . ks[u]). The 4 is a compile-time count: with a run-time one the
+// accumulators lived on the stack and every vector step tested it.
+inline void dot_rows(int64_t nq, int64_t K, const float* qs, const float* ks, float mul, float* a, int64_t lda) {
+  constexpr int kKeys = static_cast<int>(kQuarter);
   for (int64_t t = 0; t < nq; ++t) {
-    vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    vf acc[kKeys];
+    for (int m = 0; m < kKeys; ++m) acc[m] = vzero();
     for_vectors(K, [&](int64_t c, int lanes) {
       const vf qv = vload_k(qs + t * K + c, lanes);
-      for (int m = 0; m < nk; ++m) acc[m] = vfma(qv, vload_k(ks + m * K + c, lanes), acc[m]);
+      for (int m = 0; m < kKeys; ++m) acc[m] = vfma(qv, vload_k(ks + m * K + c, lanes), acc[m]);
     });
-    for (int m = 0; m < nk; ++m) a[t * lda + m] = mul * vsum(acc[m]);
+    sums_of_4(acc, kKeys, mul, a + t * lda);
+  }
+}
+// One row t of a 4 x 4 triangle of a diagonal block, NK = t % 4 pairs u < t element-wise (their
+// weights 2^(b_t - b_u) stored at w when StoreW), then the diagonal u = t (weight 1):
+// arow[m] = scale * sum_k q_t k_(u0+m) 2^(b_t - b_(u0+m)), m <= NK. k0, rb: the triangle's first
+// key row and its row in the chunk (for g). NK is a template argument for the same reason as
+// dot_rows's 4.
+// With StoreW (the whole operations, which keep the weights), only the pair with the row above,
+// 2^(b_t - b_(t-1)), is exponentiated; the others are it times the row above's weights,
+// 2^(b_t - b_u) = 2^(b_t - b_(t-1)) 2^(b_(t-1) - b_u), both exponents <= 0: 12 exp2 rows per block
+// instead of 24, the weights within ~3 ulp (grid errors unchanged).
+template <int NK, bool StoreW>
+inline void triangle_row(int64_t K, const float* qt, const Gates& g, int64_t rt, int64_t rb, const float* k0, float* w,
+                         float scale, float* arow) {
+  const float* bth = g.hi + rt * K;
+  const float* btl = g.lo + rt * K;
+  const float* above = StoreW ? w - (NK - 1) * K : nullptr;  // row t - 1's NK - 1 weights
+  vf acc[NK + 1];
+  for (int m = 0; m <= NK; ++m) acc[m] = vzero();
+  for_vectors(K, [&](int64_t c, int lanes) {
+    const vf qv = vload_k(qt + c, lanes), bh = vload_k(bth + c, lanes), bl = vload_k(btl + c, lanes);
+    if constexpr (StoreW && NK > 0) {
+      constexpr int m1 = NK - 1;
+      const vf x = vadd(vsub(bh, vload_k(g.hi + (rb + m1) * K + c, lanes)), vsub(bl, vload_k(g.lo + (rb + m1) * K + c, lanes)));
+      const vf d = vexp2(x);
+      for (int m = 0; m < NK; ++m) {
+        const vf e = m == m1 ? d : vmul(d, vload_k(above + m * K + c, lanes));
+        vstore_k(w + m * K + c, e, lanes);
+        acc[m] = vfma(vmul(qv, vload_k(k0 + m * K + c, lanes)), e, acc[m]);
+      }
+    }
+    for (int m = 0; m < NK && !StoreW; ++m) {
+      const vf x = vadd(vsub(bh, vload_k(g.hi + (rb + m) * K + c, lanes)), vsub(bl, vload_k(g.lo + (rb + m) * K + c, lanes)));
+      const vf e = vexp2(x);
+      acc[m] = vfma(vmul(qv, vload_k(k0 + m * K + c, lanes)), e, acc[m]);
+    }
+    acc[NK] = vfma(qv, vload_k(k0 + NK * K + c, lanes), acc[NK]);
+  });
+  sums_of_4(acc, NK + 1, scale, arow);
+}
+// The four 4 x 4 triangles of a diagonal block (rows and keys [0, n)), pair weights into wp when
+// given (layout: kDiagPairs below).
+template <bool StoreW>
+inline void diagonal_triangles(int64_t n, int64_t K, int64_t C, float scale, const float* q, const float* k,
+                               const Gates& g, int64_t r0, float* a, float* wp) {
+  static_assert(kQuarter == 4, "triangle rows are written out for 4 x 4 triangles");
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t u0 = t & ~(kQuarter - 1);
+    const int64_t nk = t - u0;  // pairs with exp2; then the diagonal
+    float* w = StoreW ? wp + ((u0 / kQuarter) * kQuarterPairs + nk * (nk - 1) / 2) * K : nullptr;
+    const float* qt = q + t * K;
+    float* arow = a + t * C + u0;
+    switch (nk) {
+      case 0: triangle_row<0, StoreW>(K, qt, g, r0 + t, r0 + u0, k + u0 * K, w, scale, arow); break;
+      case 1: triangle_row<1, StoreW>(K, qt, g, r0 + t, r0 + u0, k + u0 * K, w, scale, arow); break;
+      case 2: triangle_row<2, StoreW>(K, qt, g, r0 + t, r0 + u0, k + u0 * K, w, scale, arow); break;
+      default: triangle_row<3, StoreW>(K, qt, g, r0 + t, r0 + u0, k + u0 * K, w, scale, arow); break;
+    }
   }
 }
 // x rows scaled by factor rows (and s): out[r] = x[r] * f[r] * s, r < n.
@@ -635,8 +704,8 @@ inline void diagonal_block_pivoted(int64_t n, int64_t K, int64_t C, float scale,
       for (int64_t t = kHalf + 1; t < n; ++t) scale_exp2_rows(g, q + t * K, r0 + t, pivot, scale, qs + (t - kHalf) * K);
       for (int64_t u = 0; u < kHalf; ++u) scale_exp2_rows(g, k + u * K, pivot, r0 + u, 1.0f, ks + u * K);
     }
-    dot_rows(n - kHalf, static_cast<int>(kQuarter), K, qs, ks, 1.0f, a + kHalf * C, C);
-    dot_rows(n - kHalf, static_cast<int>(kQuarter), K, qs, ks + kQuarter * K, 1.0f, a + kHalf * C + kQuarter, C);
+    dot_rows(n - kHalf, K, qs, ks, 1.0f, a + kHalf * C, C);
+    dot_rows(n - kHalf, K, qs, ks + kQuarter * K, 1.0f, a + kHalf * C + kQuarter, C);
   }
   // in each half h: rows [h + 4, min(h + 8, n)) x keys [h, h + 4)
   for (int64_t h = 0; h + kQuarter < n; h += kHalf) {
@@ -653,31 +722,13 @@ inline void diagonal_block_pivoted(int64_t n, int64_t K, int64_t C, float scale,
       for (int64_t t = 1; t < nq; ++t) scale_exp2_rows(g, q + (m + t) * K, pivot + t, pivot, scale, qs + t * K);
       for (int64_t u = 0; u < kQuarter; ++u) scale_exp2_rows(g, k + (h + u) * K, pivot, r0 + h + u, 1.0f, ks + u * K);
     }
-    dot_rows(nq, static_cast<int>(kQuarter), K, qs, ks, 1.0f, a + m * C + h, C);
+    dot_rows(nq, K, qs, ks, 1.0f, a + m * C + h, C);
   }
   // the 4 x 4 triangles, element-wise
-  float* wp = fac ? fac + kDiagPairs * K : nullptr;
-  for (int64_t t = 0; t < n; ++t) {
-    const float* qt = q + t * K;
-    const float* bth = g.hi + (r0 + t) * K;
-    const float* btl = g.lo + (r0 + t) * K;
-    const int64_t u0 = t & ~(kQuarter - 1);
-    const int nk = static_cast<int>(t - u0);  // pairs with exp2; then the diagonal
-    float* w = wp ? wp + ((u0 / kQuarter) * kQuarterPairs + nk * (nk - 1) / 2) * K : nullptr;
-    vf acc[kQuarter];
-    for (int m = 0; m < kQuarter; ++m) acc[m] = vzero();
-    for_vectors(K, [&](int64_t c, int lanes) {
-      const vf qv = vload_k(qt + c, lanes), bh = vload_k(bth + c, lanes), bl = vload_k(btl + c, lanes);
-      for (int m = 0; m < nk; ++m) {
-        const int64_t u = u0 + m;
-        const vf x = vadd(vsub(bh, vload_k(g.hi + (r0 + u) * K + c, lanes)), vsub(bl, vload_k(g.lo + (r0 + u) * K + c, lanes)));
-        const vf e = vexp2(x);
-        if (w) vstore_k(w + m * K + c, e, lanes);
-        acc[m] = vfma(vmul(qv, vload_k(k + u * K + c, lanes)), e, acc[m]);
-      }
-      acc[nk] = vfma(qv, vload_k(k + t * K + c, lanes), acc[nk]);
-    });
-    for (int m = 0; m <= nk; ++m) a[t * C + u0 + m] = scale * vsum(acc[m]);
+  if (fac) {
+    diagonal_triangles<true>(n, K, C, scale, q, k, g, r0, a, fac + kDiagPairs * K);
+  } else {
+    diagonal_triangles<false>(n, K, C, scale, q, k, g, r0, a, nullptr);
   }
 }
 
@@ -699,28 +750,7 @@ inline void diagonal_block_bridged(int64_t n, int64_t K, int64_t C, float scale,
   const auto copy_row = [K](const float* x, float* out) { std::memcpy(out, x, static_cast<size_t>(K) * 4); };
   // the 4 x 4 triangles, element-wise (as diagonal_block_pivoted)
   float* wp = fac + kDiagPairs * K;
-  for (int64_t t = 0; t < n; ++t) {
-    const float* qt = q + t * K;
-    const float* bth = g.hi + (r0 + t) * K;
-    const float* btl = g.lo + (r0 + t) * K;
-    const int64_t u0 = t & ~(kQuarter - 1);
-    const int nk = static_cast<int>(t - u0);
-    float* w = wp + ((u0 / kQuarter) * kQuarterPairs + nk * (nk - 1) / 2) * K;
-    vf acc[kQuarter];
-    for (int m = 0; m < kQuarter; ++m) acc[m] = vzero();
-    for_vectors(K, [&](int64_t c, int lanes) {
-      const vf qv = vload_k(qt + c, lanes), bh = vload_k(bth + c, lanes), bl = vload_k(btl + c, lanes);
-      for (int m = 0; m < nk; ++m) {
-        const int64_t u = u0 + m;
-        const vf x = vadd(vsub(bh, vload_k(g.hi + (r0 + u) * K + c, lanes)), vsub(bl, vload_k(g.lo + (r0 + u) * K + c, lanes)));
-        const vf e = vexp2(x);
-        vstore_k(w + m * K + c, e, lanes);
-        acc[m] = vfma(vmul(qv, vload_k(k + u * K + c, lanes)), e, acc[m]);
-      }
-      acc[nk] = vfma(qv, vload_k(k + t * K + c, lanes), acc[nk]);
-    });
-    for (int m = 0; m <= nk; ++m) a[t * C + u0 + m] = scale * vsum(acc[m]);
-  }
+  diagonal_triangles<true>(n, K, C, scale, q, k, g, r0, a, wp);
   // in each half h: rows [h + 4, min(h + 8, n)) x keys [h, h + 4)
   for (int64_t h = 0; h + kQuarter < n; h += kHalf) {
     const int64_t m = h + kQuarter, nq = std::min(h + kHalf, n) - m;
@@ -733,7 +763,7 @@ inline void diagonal_block_bridged(int64_t n, int64_t K, int64_t C, float scale,
     }
     scaled_rows(nq, K, q + m * K, f, scale, qs);
     scaled_rows(kQuarter, K, k + h * K, f + kQuarter * K, 1.0f, ks);
-    dot_rows(nq, static_cast<int>(kQuarter), K, qs, ks, 1.0f, a + m * C + h, C);
+    dot_rows(nq, K, qs, ks, 1.0f, a + m * C + h, C);
   }
   // rows [8, n) x keys [0, 8)
   if (n > kHalf) {
@@ -752,8 +782,8 @@ inline void diagonal_block_bridged(int64_t n, int64_t K, int64_t C, float scale,
     for (int64_t u = 0; u < kQuarter; ++u) mul_row(fk + kQuarter * K, f4 + u * K, fk + u * K);
     scaled_rows(n - kHalf, K, q + kHalf * K, fac, scale, qs);
     scaled_rows(kHalf, K, k, fk, 1.0f, ks);
-    dot_rows(n - kHalf, static_cast<int>(kQuarter), K, qs, ks, 1.0f, a + kHalf * C, C);
-    dot_rows(n - kHalf, static_cast<int>(kQuarter), K, qs, ks + kQuarter * K, 1.0f, a + kHalf * C + kQuarter, C);
+    dot_rows(n - kHalf, K, qs, ks, 1.0f, a + kHalf * C, C);
+    dot_rows(n - kHalf, K, qs, ks + kQuarter * K, 1.0f, a + kHalf * C + kQuarter, C);
   }
 }
 
@@ -823,11 +853,15 @@ inline void derive_key_rows(int64_t n, int64_t K, const Gates& g, int64_t rb, co
       m = tmax, f = wp + ((q0 / kQuarter) * kQuarterPairs + tl * (tl - 1) / 2 + (u - q0)) * K;
     }
     if (m != have) exp2_rows(g, target, rb + m, x), have = m;
+    const float* ku = k + u * K;
+    float* o = out + u * K;
+    // one pass: (k f) x, or k x (the same products as scaling by f, then by x)
     if (f) {
-      scaled_rows(1, K, k + u * K, f, 1.0f, out + u * K);
-      mul_inplace(K, out + u * K, x);
+      for_vectors(K, [&](int64_t c, int lanes) {
+        vstore_k(o + c, vmul(vmul(vload_k(ku + c, lanes), vload_k(f + c, lanes)), vload_k(x + c, lanes)), lanes);
+      });
     } else {
-      scaled_rows(1, K, k + u * K, x, 1.0f, out + u * K);
+      for_vectors(K, [&](int64_t c, int lanes) { vstore_k(o + c, vmul(vload_k(ku + c, lanes), vload_k(x + c, lanes)), lanes); });
     }
   }
 }
@@ -850,11 +884,19 @@ inline void derive_query_rows(int64_t n, int64_t K, const Gates& g, int64_t rb, 
     }
     if (m != have) exp2_rows(g, rb + m, rb, x), have = m;
     float* o = out + t * K;
+    const float* qt = q + t * K;
+    // one pass: q scale, (q f) scale, or ((q f) scale) x, in that order
     if (!f) {
-      scale_row(K, q + t * K, scale, o);
+      scale_row(K, qt, scale, o);
+    } else if (m == 0) {
+      for_vectors(K, [&](int64_t c, int lanes) {
+        vstore_k(o + c, vmul(vmul(vload_k(qt + c, lanes), vload_k(f + c, lanes)), vset(scale)), lanes);
+      });
     } else {
-      scaled_rows(1, K, q + t * K, f, scale, o);
-      if (m > 0) mul_inplace(K, o, x);
+      for_vectors(K, [&](int64_t c, int lanes) {
+        const vf y = vmul(vmul(vload_k(qt + c, lanes), vload_k(f + c, lanes)), vset(scale));
+        vstore_k(o + c, vmul(y, vload_k(x + c, lanes)), lanes);
+      });
     }
   }
 }
@@ -959,8 +1001,12 @@ inline void intra_attention(int64_t L, int64_t K, int64_t C, float scale, const 
       transpose(kSub, K, s.krow, K, s.kpt + old, C);
       gemm(ni, r0, K, qp, K, 1, s.kpt, C, A + r0 * C, C, false);
     }
+    // Above the diagonal: with `wd` (the whole operations) only inside the diagonal block, the only
+    // entries above the diagonal that their products read (A v causal by sub-chunk, dv's A^T do
+    // from each sub-chunk's first row); the stage unit writes whole rows.
+    const int64_t zero_end = fi ? std::min(zero_to, r0 + kSub) : zero_to;
     for (int64_t t = 0; t < ni; ++t) {
-      for (int64_t u = r0 + t + 1; u < zero_to; ++u) A[(r0 + t) * C + u] = 0.0f;
+      for (int64_t u = r0 + t + 1; u < zero_end; ++u) A[(r0 + t) * C + u] = 0.0f;
     }
   }
 }
