@@ -101,7 +101,13 @@ inline void load_row(const gla_tensor& x, int64_t off, int64_t stride, int64_t n
     case GLA_DTYPE_F32: {
       const float* s = static_cast<const float*>(x.data) + off;
       if (stride == 1) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+        // inline vector copy: rows are 128-512 floats and there are ~256 per chunk and head; the
+        // library call's dispatch was a fixed cost on each
+        for_vectors(n, [&](int64_t c, int lanes) { vstore_k(dst + c, vload_k(s + c, lanes), lanes); });
+#else
         std::memcpy(dst, s, static_cast<size_t>(n) * 4);
+#endif
       } else {
         for (int64_t i = 0; i < n; ++i) dst[i] = s[i * stride];
       }
