@@ -184,6 +184,30 @@ typedef struct gla_chunk_backward_args {
 GLA_API gla_status gla_chunk_forward(const gla_chunk_forward_args* args, const gla_options* options);
 GLA_API gla_status gla_chunk_backward(const gla_chunk_backward_args* args, const gla_options* options);
 
+/* Forward and backward with saved chunk-start states: the forward leaves the state at the start of
+ * every 64-token chunk (it computes them anyway) and the backward reads them instead of recomputing
+ * them (the backward's first pass).
+ *   chunk_states  [NC, H, K, V] f32, contiguous, on q's device; the layout of the fwd_h stage's `h`
+ *                 (gla_problem below) at chunk size 64: NC = sum over sequences n of ceil(T_n / 64),
+ *                 sequence n's chunk c (tokens [64c, min(64(c+1), T_n)) of that sequence) at index
+ *                 (chunks of sequences 0..n-1) + c; without cu_seqlens sequence n is batch row n.
+ *                 Entry [i, h, a, b] is the state S[a, b] (key a, value b) of head h before the
+ *                 chunk's first token: key-major whatever options->state_v_first (which applies to
+ *                 initial_state / final_state / dht / dh0 only). Empty sequences have no chunks.
+ * gla_chunk_forward_saving_states writes o, final_state (when given) and chunk_states;
+ * gla_chunk_backward_from_states reads chunk_states, which must be what the forward wrote for the
+ * same q, k, v, g, initial_state, cu_seqlens and options (not checked: other states give the
+ * gradients of other states). chunk_states NULL: exactly gla_chunk_forward / gla_chunk_backward.
+ * Validation as for the other arguments (dtype, device, shape with NC, contiguity), before anything
+ * is written. Only backends that declare it run these with chunk_states (the built-in `cpu`); the
+ * others, and the stage pipeline, decline with that reason, so with a forced backend that does not
+ * handle them the call fails with GLA_STATUS_NOT_SUPPORTED. The args structs are those above, so
+ * callers of the older entry points are unaffected. */
+GLA_API gla_status gla_chunk_forward_saving_states(const gla_chunk_forward_args* args, const gla_tensor* chunk_states,
+                                                   const gla_options* options);
+GLA_API gla_status gla_chunk_backward_from_states(const gla_chunk_backward_args* args,
+                                                  const gla_tensor* chunk_states, const gla_options* options);
+
 /* Bytes of scratch the call would need on the tensors' device with these options (0 if none). */
 GLA_API gla_status gla_chunk_forward_workspace_size(const gla_chunk_forward_args* args,
                                                     const gla_options* options, size_t* bytes);
@@ -253,8 +277,12 @@ typedef struct gla_problem {
   gla_tensor q, k, v, g, initial_state, cu_seqlens;
   gla_tensor o, final_state;                       /* forward outputs */
   gla_tensor do_, dht, dq, dk, dv, dg, dh0;        /* backward */
-  /* Stage-pipeline intermediates (only for stage units; fp32, contiguous, on the tensors'
-   * device). C = chunk_size; NC = total chunks over all sequences; chunk_offsets (host, N + 1)
+  /* Stage-pipeline intermediates (for stage units; fp32, contiguous, on the tensors' device).
+   * For the whole operations (chunk_fwd, chunk_bwd) `h` is instead the caller's chunk_states of
+   * gla_chunk_forward_saving_states / gla_chunk_backward_from_states (same layout, C = 64), absent
+   * otherwise; a backend that does not declare it handles them (callback backends never do) is
+   * never given a whole operation with `h` present.
+   * C = chunk_size; NC = total chunks over all sequences; chunk_offsets (host, N + 1)
    * gives the first global chunk of each sequence.
    *   gcum     [B, T, H, Kg] (Kg = K, or 1 for a per-head gate) chunk-local inclusive cumsum of g
    *            divided by ln 2

@@ -77,6 +77,16 @@ inline void chunk_forward(const gla_chunk_forward_args& args, Options options = 
 inline void chunk_backward(const gla_chunk_backward_args& args, Options options = {}) {
   check(gla_chunk_backward(&args, options.get()));
 }
+// With saved chunk-start states (gla.h: gla_chunk_forward_saving_states): the forward writes
+// chunk_states, the backward reads them instead of recomputing them.
+inline void chunk_forward_saving_states(const gla_chunk_forward_args& args, const gla_tensor& chunk_states,
+                                        Options options = {}) {
+  check(gla_chunk_forward_saving_states(&args, &chunk_states, options.get()));
+}
+inline void chunk_backward_from_states(const gla_chunk_backward_args& args, const gla_tensor& chunk_states,
+                                       Options options = {}) {
+  check(gla_chunk_backward_from_states(&args, &chunk_states, options.get()));
+}
 inline size_t chunk_forward_workspace_size(const gla_chunk_forward_args& args, Options options = {}) {
   size_t bytes = 0;
   check(gla_chunk_forward_workspace_size(&args, options.get(), &bytes));

@@ -87,6 +87,24 @@ gla_status gla_chunk_backward(const gla_chunk_backward_args* args, const gla_opt
   });
 }
 
+gla_status gla_chunk_forward_saving_states(const gla_chunk_forward_args* args, const gla_tensor* chunk_states,
+                                           const gla_options* options) {
+  return guarded([&] {
+    const gla_options opts = gla::read_options(options);
+    gla::PreparedProblem prepared = gla::prepare_forward(args, opts, false, chunk_states);
+    gla::execute(prepared, opts);
+  });
+}
+
+gla_status gla_chunk_backward_from_states(const gla_chunk_backward_args* args, const gla_tensor* chunk_states,
+                                          const gla_options* options) {
+  return guarded([&] {
+    const gla_options opts = gla::read_options(options);
+    gla::PreparedProblem prepared = gla::prepare_backward(args, opts, false, chunk_states);
+    gla::execute(prepared, opts);
+  });
+}
+
 gla_status gla_chunk_forward_workspace_size(const gla_chunk_forward_args* args, const gla_options* options,
                                             size_t* bytes) {
   return guarded([&] {

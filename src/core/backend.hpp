@@ -57,6 +57,11 @@ class Backend {
   virtual Verdict verify(const gla_problem& problem) const = 0;
   // Throws gla::Error on failure.
   virtual void run(const gla_problem& problem) = 0;
+  // Whether the whole operations honour the caller's saved chunk states (problem.h of
+  // GLA_UNIT_CHUNK_FWD / CHUNK_BWD: gla_chunk_forward_saving_states writes them,
+  // gla_chunk_backward_from_states reads them). Default no: the dispatcher then never gives this
+  // backend a whole operation with them present, and says why.
+  virtual bool handles_chunk_states() const { return false; }
   // Scratch bytes `run` wants for a whole-operation unit; the dispatcher passes it in
   // problem.workspace (caller's buffer when large enough, else from allocate()).
   virtual size_t workspace_size(const gla_problem& /*problem*/) const { return 0; }

@@ -97,6 +97,10 @@ std::string decline_reason(const RegistryEntry& entry, const gla_problem& proble
     return std::string("does not serve device ") + device_type_name(problem.device_type);
   }
   if (!b.implements(unit)) return "does not implement " + std::string(kUnitNames[unit]);
+  if (!unit_is_stage(unit) && present(problem.h) && !b.handles_chunk_states()) {
+    return unit == GLA_UNIT_CHUNK_FWD ? "does not write saved chunk states (chunk_states)"
+                                      : "does not read saved chunk states (chunk_states)";
+  }
   Verdict v = b.verify(problem);
   if (!v.ok) return v.reason.empty() ? std::string("declined (no reason given)") : v.reason;
   return "";
@@ -122,7 +126,8 @@ std::string problem_line(const gla_problem& p) {
     << " N=" << p.N << (p.varlen ? " varlen" : "") << " dtype=" << dtype_name(p.dtype) << " gate="
     << (p.gate_per_head ? "per-head " : "per-key ") << dtype_name(p.gate_dtype)
     << (p.state_v_first ? " state=[N,H,V,K]" : "") << (present(p.initial_state) ? " +initial_state" : "")
-    << (present(p.final_state) ? " +final_state" : "") << " device=" << device_type_name(p.device_type) << ':'
+    << (present(p.final_state) ? " +final_state" : "") << (!unit_is_stage(p.unit) && present(p.h) ? " +chunk_states" : "")
+    << " device=" << device_type_name(p.device_type) << ':'
     << p.device_index;
   return s.str();
 }
@@ -153,6 +158,11 @@ bool try_pipeline(const std::vector<RegistryEntry>& entries, const PreparedProbl
                   const DispatchControl& control, int32_t operation, Plan& plan, std::string& why) {
   plan = Plan{};
   plan.pipeline = true;
+  if (present(prepared.problem.h)) {
+    why = "the stage pipeline does not " + std::string(operation == GLA_UNIT_CHUNK_FWD ? "write" : "read") +
+          " saved chunk states (chunk_states)";
+    return false;
+  }
   for (int32_t s : pipeline_stages(operation)) {
     auto b = choose_for_unit(entries, prepared, control, s, &why);
     if (!b) return false;
@@ -227,6 +237,10 @@ Plan plan_with_reasons(const PreparedProblem& prepared, const DispatchControl& c
     if (offers_stage && try_pipeline(entries, prepared, control, op, plan, why)) return plan;
   }
   failure = "no available backend accepts " + problem_line(whole_problem);
+  if (present(prepared.problem.h)) {
+    failure += std::string(" (with chunk_states: the stage pipeline does not ") + (op == GLA_UNIT_CHUNK_FWD ? "write" : "read") +
+               " saved chunk states, so only a backend that handles them for the whole operation can run it)";
+  }
   return Plan{};
 }
 
@@ -420,6 +434,7 @@ void execute(PreparedProblem& prepared, const gla_options& options) {
     }
     load_sequence_offsets(prepared, packed.data());
   }
+  check_chunk_states_count(prepared.problem);  // chunk_states' NC needs the offsets; still before any write
   if (options.check_inputs) {
     std::pair<Backend*, const gla_problem*> context{&lead, &prepared.problem};
     check_input_values(prepared.problem, host_reader, &context);

@@ -241,6 +241,29 @@ void check_state_like(const char* name, const gla_tensor& t, const gla_problem& 
   check_same_device(name, t, p.q);
 }
 
+// The saved chunk states (gla_chunk_forward_saving_states / gla_chunk_backward_from_states in gla.h):
+// [NC, H, K, V] f32, contiguous, q's device; stored in problem.h of the whole operation.
+// NC depends on the sequence lengths: checked here when they are on the host, else by
+// check_chunk_states_count once execute() has loaded them.
+constexpr int64_t kSavedStateChunk = 64;
+void check_chunk_states(const gla_tensor& t, PreparedProblem& out, bool metadata_only) {
+  const gla_problem& p = out.problem;
+  check_descriptor("chunk_states", t, metadata_only);
+  check_dtype("chunk_states", t, GLA_DTYPE_F32, " (saved chunk states are fp32)");
+  const bool lengths_known = !out.offsets_need_copy && !out.seq_offsets.empty();
+  const int64_t nc = lengths_known ? saved_state_chunks(p) : (t.rank == 4 ? t.sizes[0] : 0);
+  check_shape("chunk_states", t, {nc, p.H, p.K, p.V}, "[NC, H, K, V], NC = sum over sequences of ceil(T_n / 64)");
+  const int64_t contiguous[4] = {p.H * p.K * p.V, p.K * p.V, p.V, 1};
+  for (int i = 0; i < 4; ++i) {
+    if (t.sizes[i] > 1 && t.strides[i] != contiguous[i]) {
+      invalid("chunk_states: expected contiguous strides [" + std::to_string(contiguous[0]) + ", " + std::to_string(contiguous[1]) +
+              ", " + std::to_string(contiguous[2]) + ", 1], got stride " + std::to_string(t.strides[i]) + " in dim " +
+              std::to_string(i));
+    }
+  }
+  check_same_device("chunk_states", t, p.q);
+}
+
 void check_like(const char* name, const gla_tensor& t, const gla_tensor& like, const char* like_name,
                 const gla_problem& p, bool metadata_only) {
   check_descriptor(name, t, metadata_only);
@@ -311,6 +334,21 @@ void load_sequence_offsets(PreparedProblem& prepared, const void* host_values) {
   prepared.bind();
 }
 
+int64_t saved_state_chunks(const gla_problem& p) {
+  int64_t chunks = 0;
+  for (int64_t n = 0; n < p.N; ++n) chunks += (sequence_span(p, n).length + kSavedStateChunk - 1) / kSavedStateChunk;
+  return chunks;
+}
+
+void check_chunk_states_count(const gla_problem& p) {
+  if (!present(p.h)) return;
+  const int64_t nc = saved_state_chunks(p);
+  if (p.h.sizes[0] != nc) {
+    invalid("chunk_states: expected shape " + sizes_string({nc, p.H, p.K, p.V}) +
+            " ([NC, H, K, V], NC = sum over sequences of ceil(T_n / 64)), got " + shape_string(p.h));
+  }
+}
+
 void compute_chunk_offsets(PreparedProblem& prepared, int64_t chunk_size) {
   gla_problem& p = prepared.problem;
   prepared.chunk_offsets.assign(static_cast<size_t>(p.N + 1), 0);
@@ -323,7 +361,8 @@ void compute_chunk_offsets(PreparedProblem& prepared, int64_t chunk_size) {
   prepared.bind();
 }
 
-PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_options& options, bool metadata_only) {
+PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_options& options, bool metadata_only,
+                                const gla_tensor* chunk_states) {
   if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
   PreparedProblem out;
   prepare_common(out, {args->q, args->k, args->v, args->g, args->initial_state, args->cu_seqlens, args->cu_seqlens_host},
@@ -348,11 +387,16 @@ PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_op
     check_state_like("final_state", *args->final_state, p, metadata_only);
     p.final_state = *args->final_state;
   }
+  if (chunk_states) {
+    check_chunk_states(*chunk_states, out, metadata_only);
+    p.h = *chunk_states;
+  }
   out.bind();
   return out;
 }
 
-PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_options& options, bool metadata_only) {
+PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_options& options, bool metadata_only,
+                                 const gla_tensor* chunk_states) {
   if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
   PreparedProblem out;
   prepare_common(out, {args->q, args->k, args->v, args->g, args->initial_state, args->cu_seqlens, args->cu_seqlens_host},
@@ -393,6 +437,10 @@ PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_
   }
   if (!metadata_only && !args->dq && !args->dk && !args->dv && !args->dg && !args->dh0) {
     invalid("backward: expected at least one gradient output, got none (dq, dk, dv, dg and dh0 are all NULL)");
+  }
+  if (chunk_states) {
+    check_chunk_states(*chunk_states, out, metadata_only);
+    p.h = *chunk_states;
   }
   out.bind();
   return out;

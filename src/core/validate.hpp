@@ -39,14 +39,21 @@ struct PreparedProblem {
 gla_options read_options(const gla_options* options);
 
 // metadata_only: for explain(); output tensors may be absent and data pointers are not required.
+// chunk_states (optional): the saved chunk-start states of gla_chunk_forward_saving_states /
+// gla_chunk_backward_from_states, validated and put in problem.h of the whole operation.
 PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_options& options,
-                                bool metadata_only);
+                                bool metadata_only, const gla_tensor* chunk_states = nullptr);
 PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_options& options,
-                                 bool metadata_only);
+                                 bool metadata_only, const gla_tensor* chunk_states = nullptr);
 
 // Reads cu_seqlens values from `host_values` (N + 1 entries of cu_seqlens' dtype) and checks them:
 // first 0, non-decreasing, last T.
 void load_sequence_offsets(PreparedProblem& prepared, const void* host_values);
+
+// Number of 64-token chunks over all sequences: the first size of the saved chunk states (problem.h
+// of a whole operation; needs the sequence offsets loaded), and the check of that size once they are.
+int64_t saved_state_chunks(const gla_problem& p);
+void check_chunk_states_count(const gla_problem& p);
 
 // Chunk bookkeeping for the stage pipeline: chunk_size C and the first global chunk per sequence.
 void compute_chunk_offsets(PreparedProblem& prepared, int64_t chunk_size);

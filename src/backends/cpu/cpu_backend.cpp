@@ -177,6 +177,9 @@ class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
   int priority() const override { return 50; }
+  // The forward writes the chunk-start states it computes anyway; the backward then skips its
+  // pass 1 (kernels.inl: run_forward, run_backward).
+  bool handles_chunk_states() const override { return true; }
   bool serves_device(int32_t device_type) const override {
     return device_type == GLA_DEVICE_CPU || device_type == GLA_DEVICE_CUDA_HOST;
   }

@@ -205,6 +205,14 @@ inline void copy_to_chunk_state(const gla_problem& p, const gla_tensor& s, int64
   for (int64_t i = 0; i < p.K; ++i) store_row(s, (dst - static_cast<float*>(s.data)) + i * s.strides[2], s.strides[3], p.V, src + i * p.V);
 }
 
+// The caller's saved chunk states of the whole operations (gla_chunk_forward_args.h): contiguous
+// [NC, H, K, V] fp32 with chunks of kChunk; sequence n's first chunk there.
+inline int64_t first_saved_chunk(const gla_problem& p, int64_t n, int64_t C) {
+  int64_t first = 0;
+  for (int64_t m = 0; m < n; ++m) first += (span_of(p, m).length + C - 1) / C;
+  return first;
+}
+
 inline int64_t element_offset(const gla_tensor& x, int64_t batch, int64_t t, int64_t head, int64_t d) {
   return batch * x.strides[0] + t * x.strides[1] + head * x.strides[2] + (x.rank == 4 ? d * x.strides[3] : 0);
 }
@@ -227,6 +235,19 @@ inline void copy_out(const float* src, int64_t n, float* dst) {
   _mm_sfence();
 #else
   std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+#endif
+}
+// dst[0, n) = src[0, n) with streaming stores where there are; end_copy_out() after a batch of them.
+inline void copy_out_rows(const float* src, int64_t n, float* dst) {
+#ifdef GLA_CPU_HAVE_STREAM_STORE
+  stream_row(dst, src, n);
+#else
+  std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+#endif
+}
+inline void end_copy_out() {
+#ifdef GLA_CPU_HAVE_STREAM_STORE
+  _mm_sfence();
 #endif
 }
 inline void store_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t L, int64_t h0, int64_t G, int64_t d0,
@@ -1486,7 +1507,7 @@ inline Tiles carve(const gla_problem& p, int64_t group, float* base, size_t* tot
   t.dqk = {a.take(C * K), a.take(C * K), a.take(C * K), a.take(K), a.take(K)};
   t.inter = {a.take(V * K), a.take(V * K), a.take(C * K), a.take(C * K), a.take(K),
              reinterpret_cast<double*>(a.take(2 * K))};  // acc: used only as doubles
-  t.states = p.unit == GLA_UNIT_CHUNK_BWD ? a.take(Gb * max_chunks_per_sequence(p, C) * K * V) : nullptr;
+  t.states = p.unit == GLA_UNIT_CHUNK_BWD && !has(p.h) ? a.take(Gb * max_chunks_per_sequence(p, C) * K * V) : nullptr;
   *total = a.used();
   return t;
 }
@@ -1517,6 +1538,7 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
   const int64_t ck = C * K, cv = C * bv, cvp = C * ldv, kv = K * lds;
   const float scale = static_cast<float>(p.scale);
   for (int64_t j = 0; j < G; ++j) load_initial_state(p, n, h0 + j, v0, bv, t.S + j * kv, lds);
+  const int64_t first_chunk = has(p.h) ? first_saved_chunk(p, n, C) : 0;
   for (int64_t c0 = 0; c0 < sp.length; c0 += C) {
     const int64_t L = std::min(C, sp.length - c0), t0 = sp.start + c0;
     {GLA_PROF(0, "F loads");
@@ -1524,6 +1546,14 @@ inline void run_forward(const gla_problem& p, int64_t item, int64_t group, const
     load_tiles(p.k, sp.batch, t0, L, h0, G, 0, K, t.k, ck, K);
     load_tiles(p.v, sp.batch, t0, L, h0, G, v0, bv, t.v, cvp, ldv);
     load_tiles(p.g, sp.batch, t0, L, h0, G, 0, p.gate_per_head ? 1 : K, t.b, ck, K);
+    }
+    if (has(p.h)) {  // the state at this chunk's start, for a later backward (streamed: read much later)
+      GLA_PROF(3, "F save h");
+      for (int64_t j = 0; j < G; ++j) {
+        float* dst = static_cast<float*>(p.h.data) + ((first_chunk + c0 / C) * p.H + h0 + j) * K * p.V + v0;
+        for (int64_t i = 0; i < K; ++i) copy_out_rows(t.S + j * kv + i * lds, bv, dst + i * p.V);
+      }
+      end_copy_out();
     }
     for (int64_t j = 0; j < G; ++j) {
       float *q = t.q + j * ck, *k = t.k + j * ck, *b = t.b + j * ck, *blo = t.blo + j * ck;
@@ -1561,7 +1591,11 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
   // 64 KiB destination from memory first (read for ownership). The last state is read from the
   // tile in pass 2.
   const auto hot = [&](int64_t j) { return t.S + j * kv; };
-  if (want_dqk || has(p.dv)) {
+  // With the caller's saved states (p.h, written by the forward) there is no pass 1: pass 2
+  // transposes each chunk's state from there into the hot tile.
+  const bool saved = has(p.h);
+  const int64_t first_chunk = saved ? first_saved_chunk(p, n, C) : 0;
+  if ((want_dqk || has(p.dv)) && !saved) {
     if (nchunks > 0) {
       for (int64_t j = 0; j < G; ++j) {
         load_initial_state(p, n, h0 + j, 0, V, t.dS);  // dS is free until pass 2
@@ -1633,7 +1667,10 @@ inline void run_backward(const gla_problem& p, int64_t item, int64_t group, cons
           std::memset(dk, 0, static_cast<size_t>(L * K) * 4);
           intra_dqk(L, K, C, q, kt, gates, t.dA, t.wd, dq, dk, t.dqk);}
           GLA_PROF(20, "B2 inter");
-          const float* St = c == nchunks - 1 ? hot(j) : t.states + j * states_per_head + c * kv;
+          if (saved) {
+            transpose(K, V, static_cast<const float*>(p.h.data) + ((first_chunk + c) * p.H + h0 + j) * kv, V, hot(j), K);
+          }
+          const float* St = saved || c == nchunks - 1 ? hot(j) : t.states + j * states_per_head + c * kv;
           inter_dqkg(L, K, V, scale, q, kt, v, gates, dout, St, dS, dq, dk,
                      has(p.dg) ? dg : nullptr, t.inter, decay);
           add_self_terms(L, K, C, q, kt, t.dA, dq, dk);
