@@ -8,6 +8,9 @@
 //                      by 16 to the full problem. The reference is a token loop, linear in T, so the
 //                      scaling is exact up to cache effects (its working set per head is one K x V
 //                      state, the same in both). Cpu/.../1 runs the cpu backend on the same slice.
+//   CpuSavedStates     forward + backward on the full problem through gla_chunk_forward_saving_states
+//                      and gla_chunk_backward_from_states (the backward reads the forward's chunk-start
+//                      states instead of recomputing them).
 // FLOPs: chunked forward = T*H*(4*K*V + 2*C*(K+V)), C = 64; forward+backward = 3 x forward
 // (the backward differentiates each of the forward's four products with respect to both operands,
 // 2 x forward; the recomputation of chunk states and A the implementation does is not counted).
@@ -209,10 +212,39 @@ void Operator(benchmark::State& state) {
   state.SetLabel(std::string(backward ? "fwd+bwd" : "fwd") + (slice ? " slice T=256 H=16 (x16)" : " B1 T4096 H16 K=V=128"));
 }
 
+// Forward + backward with saved chunk states: gla_chunk_forward_saving_states leaves the state at
+// the start of each 64-token chunk ([T/64, H, K, V] fp32, 64 MiB here), gla_chunk_backward_from_states
+// reads them instead of recomputing them. Same problem and outputs as Cpu/1/0.
+void CpuSavedStates(benchmark::State& state) {
+  Problem p = make_problem(kT, kH);
+  std::vector<float> states(static_cast<size_t>((kT + 63) / 64 * kH * kK * kV), 0.0f);
+  const gla_tensor th = describe(states, {(kT + 63) / 64, kH, kK, kV});
+  gla_options opt;
+  gla_options_init(&opt);
+  opt.backend = "cpu";
+  gla_chunk_forward_args fa{};
+  fa.q = &p.tq, fa.k = &p.tk, fa.v = &p.tv, fa.g = &p.tg, fa.initial_state = &p.th0, fa.o = &p.to, fa.final_state = &p.tht;
+  gla_chunk_backward_args ba{};
+  ba.q = &p.tq, ba.k = &p.tk, ba.v = &p.tv, ba.g = &p.tg, ba.initial_state = &p.th0, ba.do_ = &p.tdo, ba.dht = &p.tdht;
+  ba.dq = &p.tdq, ba.dk = &p.tdk, ba.dv = &p.tdv, ba.dg = &p.tdg, ba.dh0 = &p.tdh0;
+  double seconds = 0;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    check(gla_chunk_forward_saving_states(&fa, &th, &opt));
+    check(gla_chunk_backward_from_states(&ba, &th, &opt));
+    benchmark::ClobberMemory();
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(forward_flops(kT, kH) * 3.0 * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["full_problem_ms"] = 1e3 * seconds / double(state.iterations());
+  state.SetLabel("fwd+bwd saved states B1 T4096 H16 K=V=128");
+}
+
 }  // namespace
 
 BENCHMARK(FmaPeak)->UseRealTime()->Unit(benchmark::kMillisecond)->Iterations(5);
 BENCHMARK(Operator<false>)->Name("Cpu")->Args({0, 0})->Args({1, 0})->Args({0, 1})->Args({1, 1})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(CpuSavedStates)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(Operator<true>)->Name("Reference")->Args({0, 1})->Args({1, 1})->UseRealTime()->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();
