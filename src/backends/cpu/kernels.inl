@@ -1056,11 +1056,13 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
     for (int64_t t = 0; t < ni; ++t) mul_inplace(K, qe + (r0 + t) * K, fac);
   }
   }
-  // o = (scale q ⊙ 2^b) S + A v in one product, A v causal by sub-chunk (o stored once).
+  // o = (scale q ⊙ 2^b) S + A v in one product, A v causal by row tile (o stored once): a tile's
+  // rows read keys up to its last row only (A is zero above the diagonal there, inside the
+  // diagonal block), not to the end of their sub-chunk.
   static_assert(kSub % kTileRows == 0, "row tiles within sub-chunks");
   {GLA_PROF(8, "F o");
   const Seg seg[2] = {{K, qe, K, 1, S, lds}, {L, A, C, 1, v, ldv}};
-  gemm_segs(L, bv, seg, 2, o, bv, false, nullptr, kSub);
+  gemm_segs(L, bv, seg, 2, o, bv, false, nullptr, kTileRows);
   }
   // state: kpt becomes (k ⊙ 2^(b_last - b))^T
   const int64_t last0 = (nsub - 1) * kSub;
