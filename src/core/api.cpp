@@ -72,19 +72,11 @@ const char* gla_unit_name(int32_t unit) {
 }
 
 gla_status gla_chunk_forward(const gla_chunk_forward_args* args, const gla_options* options) {
-  return guarded([&] {
-    const gla_options opts = gla::read_options(options);
-    gla::PreparedProblem prepared = gla::prepare_forward(args, opts, false);
-    gla::execute(prepared, opts);
-  });
+  return gla_chunk_forward_saving_states(args, nullptr, options);
 }
 
 gla_status gla_chunk_backward(const gla_chunk_backward_args* args, const gla_options* options) {
-  return guarded([&] {
-    const gla_options opts = gla::read_options(options);
-    gla::PreparedProblem prepared = gla::prepare_backward(args, opts, false);
-    gla::execute(prepared, opts);
-  });
+  return gla_chunk_backward_from_states(args, nullptr, options);
 }
 
 gla_status gla_chunk_forward_saving_states(const gla_chunk_forward_args* args, const gla_tensor* chunk_states,

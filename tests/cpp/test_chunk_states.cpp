@@ -16,17 +16,7 @@ using namespace gla::test;
 
 namespace {
 
-bool cpu_available() {
-  for (int32_t i = 0; i < gla_backend_count(); ++i) {
-    const char* name = nullptr;
-    const char* reason = nullptr;
-    int32_t priority = 0, available = 0;
-    if (gla_backend_info(i, &name, &priority, &available, &reason) == GLA_STATUS_OK && std::string(name) == "cpu") {
-      return available != 0;
-    }
-  }
-  return false;
-}
+bool cpu_available() { return backend_available("cpu"); }
 
 constexpr int64_t kChunk = 64;
 
@@ -38,11 +28,6 @@ int64_t chunk_count(const Inputs& in) {
   return nc;
 }
 
-std::vector<int64_t> state_sizes(const Inputs& in) {
-  const Case& c = in.c;
-  return c.state_v_first ? std::vector<int64_t>{in.N, c.H, c.V, c.K} : std::vector<int64_t>{in.N, c.H, c.K, c.V};
-}
-
 gla_options options_for(const Inputs& in, const char* backend, bool pipeline = false) {
   gla_options o;
   gla_options_init(&o);
@@ -50,50 +35,6 @@ gla_options options_for(const Inputs& in, const char* backend, bool pipeline = f
   o.backend = backend;
   o.force_stage_pipeline = pipeline;
   return o;
-}
-
-gla_chunk_forward_args forward_args(const Inputs& in, Outputs& out) {
-  out.o = HostTensor(in.c.dtype, {in.c.B, in.c.T, in.c.H, in.c.V});
-  poison(out.o);
-  if (in.c.final_state) {
-    out.ht = HostTensor(GLA_DTYPE_F32, state_sizes(in));
-    poison(out.ht);
-  }
-  gla_chunk_forward_args a{};
-  a.q = in.q.desc();
-  a.k = in.k.desc();
-  a.v = in.v.desc();
-  a.g = in.g.desc();
-  a.initial_state = in.h0.desc();
-  a.cu_seqlens = in.cu.desc();
-  a.o = out.o.desc();
-  a.final_state = out.ht.desc();
-  return a;
-}
-
-gla_chunk_backward_args backward_args(const Inputs& in, Outputs& out) {
-  const Case& c = in.c;
-  out.dq = HostTensor(c.dtype, {c.B, c.T, c.H, c.K});
-  out.dk = HostTensor(c.dtype, {c.B, c.T, c.H, c.K});
-  out.dv = HostTensor(c.dtype, {c.B, c.T, c.H, c.V});
-  out.dg = c.per_head_gate ? HostTensor(GLA_DTYPE_F32, {c.B, c.T, c.H}) : HostTensor(GLA_DTYPE_F32, {c.B, c.T, c.H, c.K});
-  out.dh0 = HostTensor(GLA_DTYPE_F32, state_sizes(in));
-  for (HostTensor* t : {&out.dq, &out.dk, &out.dv, &out.dg, &out.dh0}) poison(*t);
-  gla_chunk_backward_args a{};
-  a.q = in.q.desc();
-  a.k = in.k.desc();
-  a.v = in.v.desc();
-  a.g = in.g.desc();
-  a.initial_state = in.h0.desc();
-  a.cu_seqlens = in.cu.desc();
-  a.do_ = in.dout.desc();
-  a.dht = c.final_state ? in.dht.desc() : nullptr;
-  a.dq = out.dq.desc();
-  a.dk = out.dk.desc();
-  a.dv = out.dv.desc();
-  a.dg = out.dg.desc();
-  a.dh0 = out.dh0.desc();
-  return a;
 }
 
 HostTensor new_states(const Inputs& in) {

@@ -43,17 +43,7 @@ class ScopedEnv {
   bool had_ = false;
 };
 
-bool cpu_available() {
-  for (int32_t i = 0; i < gla_backend_count(); ++i) {
-    const char* name = nullptr;
-    const char* reason = nullptr;
-    int32_t priority = 0, available = 0;
-    if (gla_backend_info(i, &name, &priority, &available, &reason) == GLA_STATUS_OK && std::string(name) == "cpu") {
-      return available != 0;
-    }
-  }
-  return false;
-}
+bool cpu_available() { return backend_available("cpu"); }
 
 Case make_case(int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, double n, int32_t dtype, uint64_t seed) {
   Case c;

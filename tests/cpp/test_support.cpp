@@ -159,13 +159,26 @@ gla_options make_options(const Inputs& in, const RunOptions& ro) {
   o.check_inputs = ro.check_inputs;
   return o;
 }
+}  // namespace
+
 std::vector<int64_t> state_sizes(const Inputs& in) {
   const Case& c = in.c;
   return c.state_v_first ? std::vector<int64_t>{in.N, c.H, c.V, c.K} : std::vector<int64_t>{in.N, c.H, c.K, c.V};
 }
-}  // namespace
 
-gla_status run_forward(const Inputs& in, Outputs& out, const RunOptions& ro) {
+bool backend_available(const std::string& wanted) {
+  for (int32_t i = 0; i < gla_backend_count(); ++i) {
+    const char* name = nullptr;
+    const char* reason = nullptr;
+    int32_t priority = 0, available = 0;
+    if (gla_backend_info(i, &name, &priority, &available, &reason) == GLA_STATUS_OK && wanted == name) {
+      return available != 0;
+    }
+  }
+  return false;
+}
+
+gla_chunk_forward_args forward_args(const Inputs& in, Outputs& out) {
   const Case& c = in.c;
   out.o = HostTensor(c.dtype, {c.B, c.T, c.H, c.V});
   poison(out.o);
@@ -182,11 +195,16 @@ gla_status run_forward(const Inputs& in, Outputs& out, const RunOptions& ro) {
   a.cu_seqlens = in.cu.desc();
   a.o = out.o.desc();
   a.final_state = out.ht.desc();
+  return a;
+}
+
+gla_status run_forward(const Inputs& in, Outputs& out, const RunOptions& ro) {
+  const gla_chunk_forward_args a = forward_args(in, out);
   const gla_options o = make_options(in, ro);
   return gla_chunk_forward(&a, &o);
 }
 
-gla_status run_backward(const Inputs& in, Outputs& out, const RunOptions& ro) {
+gla_chunk_backward_args backward_args(const Inputs& in, Outputs& out) {
   const Case& c = in.c;
   out.dq = HostTensor(c.dtype, {c.B, c.T, c.H, c.K});
   out.dk = HostTensor(c.dtype, {c.B, c.T, c.H, c.K});
@@ -208,6 +226,11 @@ gla_status run_backward(const Inputs& in, Outputs& out, const RunOptions& ro) {
   a.dv = out.dv.desc();
   a.dg = out.dg.desc();
   a.dh0 = out.dh0.desc();
+  return a;
+}
+
+gla_status run_backward(const Inputs& in, Outputs& out, const RunOptions& ro) {
+  const gla_chunk_backward_args a = backward_args(in, out);
   const gla_options o = make_options(in, ro);
   return gla_chunk_backward(&a, &o);
 }

@@ -78,6 +78,15 @@ struct RunOptions {
   bool check_inputs = false;
 };
 
+// The C-API arguments for `in`, with fresh NaN-poisoned outputs allocated in `out` (forward: o, and
+// ht when the case has a final state; backward: dq, dk, dv, dg, dh0).
+gla_chunk_forward_args forward_args(const Inputs& in, Outputs& out);
+gla_chunk_backward_args backward_args(const Inputs& in, Outputs& out);
+// [N, H, K, V], or [N, H, V, K] with the case's state_v_first.
+std::vector<int64_t> state_sizes(const Inputs& in);
+// Whether the named backend is registered and available on this machine.
+bool backend_available(const std::string& name);
+
 // Runs forward (o, ht) and backward (dq..dh0) on fresh NaN-poisoned outputs; returns the statuses.
 gla_status run_forward(const Inputs& in, Outputs& out, const RunOptions& options = {});
 gla_status run_backward(const Inputs& in, Outputs& out, const RunOptions& options = {});
