@@ -238,7 +238,10 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
     if (P.plan.max_segments < 1) P.plan.max_segments = 1;
     const size_t per = size_t(P.plan.value_tiles) * P.plan.value_tile * P.plan.head_dim_k + P.plan.head_dim_k;
     P.plan.workspace_bytes = P.plan.max_segments > 1 ? size_t(P.N) * P.plan.max_segments * c.H * per * sizeof(float) : 0;
+    order_blocks(P.plan, so.data(), P.N);
   }
+  // GLA_ORDER=0 (harness only, A/B): the natural block order.
+  if (const char* o = std::getenv("GLA_ORDER"); o != nullptr && std::atoi(o) == 0) P.plan.block_order_count = 0;
   if (P.plan.workspace_bytes) CK(cudaMalloc(&P.d.ws, P.plan.workspace_bytes));
 }
 
@@ -382,10 +385,10 @@ static int run_check() {
     const double tol = c.dtype == kF32 ? 1e-3 : 5e-3;
     const bool ok = eo < tol && eh < tol && nf_o == 0 && nf_h == 0;
     fails += !ok;
-    std::printf("%-4s %-6s %-28s o %.2e ht %.2e nonfinite %lld/%lld path %s seg %lld x %lld\n", ok ? "ok" : "FAIL",
+    std::printf("%-4s %-6s %-28s o %.2e ht %.2e nonfinite %lld/%lld path %s seg %lld x %lld order %d\n", ok ? "ok" : "FAIL",
                 c.dtype == kBF16 ? "bf16" : c.dtype == kF16 ? "fp16" : "fp32", c.name.c_str(), eo, eh,
                 (long long)nf_o, (long long)nf_h, !P.plan.use_chunk_kernel ? "recurrent" : P.plan.kernel == 5 ? "chunk-ws-split4" : P.plan.kernel == 3 ? "chunk-ws-split" : P.plan.kernel == 2 ? "chunk-ws" : P.plan.kernel == 1 ? "chunk-mmadiag" : "chunk-plain",
-                (long long)P.plan.max_segments, (long long)P.plan.segment_chunks);
+                (long long)P.plan.max_segments, (long long)P.plan.segment_chunks, P.plan.block_order_count);
     // Determinism: a second run gives identical bytes.
     if (P.plan.use_chunk_kernel) {
       CK(launch_forward(P.p, P.plan, P.d.ws, 0));
@@ -470,9 +473,9 @@ int main(int argc, char** argv) {
       const float ms = time_ms(P, 30);
       const Case& c = P.c;
       const double bytes = double(c.B * c.T * c.H) * (3 * c.K + 2 * c.V) * 2;
-      std::printf("bench %-16s %.4f ms  (%.2f TB/s eff)  plan: k%d dk %d bv %d seg %lld x %lld chunks ws %.1f MB\n", argv[i], ms,
+      std::printf("bench %-16s %.4f ms  (%.2f TB/s eff)  plan: k%d dk %d bv %d seg %lld x %lld chunks ws %.1f MB order %d\n", argv[i], ms,
                   bytes / (ms * 1e-3) / 1e12, P.plan.kernel, P.plan.head_dim_k, P.plan.value_tile, (long long)P.plan.max_segments,
-                  (long long)P.plan.segment_chunks, P.plan.workspace_bytes / 1e6);
+                  (long long)P.plan.segment_chunks, P.plan.workspace_bytes / 1e6, P.plan.block_order_count);
       release(P);
     }
     return 0;

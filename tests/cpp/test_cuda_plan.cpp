@@ -7,6 +7,8 @@
 #ifdef GLA_TESTS_WITH_CUDA
 
 #include <cstdint>
+#include <limits>
+#include <map>
 #include <random>
 #include <vector>
 
@@ -110,6 +112,30 @@ void expect_segments_cover(const ForwardPlan& plan, const Shape& s, const std::v
   EXPECT_EQ(plan.workspace_bytes, plan.max_segments > 1 ? size_t(N) * plan.max_segments * s.H * per * 4 : 0u);
 }
 
+// A block order, when the plan has one, lists every (sequence, segment) block of the full pass
+// exactly once, by non-increasing length.
+void expect_longest_first(const ForwardPlan& plan, const std::vector<int64_t>& so) {
+  if (plan.block_order_count == 0) return;
+  std::map<int64_t, int> seen;
+  int64_t prev_len = std::numeric_limits<int64_t>::max();
+  int64_t blocks = 0;
+  for (size_t n = 0; n + 1 < so.size(); ++n) {
+    const int64_t chunks = (so[n + 1] - so[n] + 63) / 64;
+    blocks += chunks == 0 ? 1 : (chunks + plan.segment_chunks - 1) / plan.segment_chunks;
+  }
+  EXPECT_EQ(plan.block_order_count, blocks);
+  for (int i = 0; i < plan.block_order_count; ++i) {
+    const int64_t b = plan.block_order[i], n = b / plan.max_segments, m = b % plan.max_segments;
+    ASSERT_LT(n + 1, static_cast<int64_t>(so.size()));
+    const int64_t chunks = (so[n + 1] - so[n] + 63) / 64;
+    const int64_t len = chunks == 0 ? 0 : std::min(plan.segment_chunks, chunks - m * plan.segment_chunks);
+    EXPECT_GE(len, 0) << "block " << i;
+    EXPECT_EQ(++seen[b], 1) << "block " << b << " listed twice";
+    EXPECT_LE(len, prev_len) << "block " << i;
+    prev_len = len;
+  }
+}
+
 TEST(CudaPlan, LongSequencesAreSplitAndBatchesAreNot) {
   // B1 T32768 H16: 16 CTAs without a split on 132 SMs; the planner must split.
   const Shape few{.B = 1, .T = 32768, .H = 16};
@@ -134,8 +160,25 @@ TEST(CudaPlan, VarlenPlansCoverEverySequence) {
     }
     const Shape s{.B = 1, .T = so.back(), .H = 1 + static_cast<int64_t>(rng() % 16)};
     SCOPED_TRACE(testing::Message() << "trial " << trial);
-    expect_segments_cover(plan_for(s, so), s, so);
+    const ForwardPlan plan = plan_for(s, so);
+    expect_segments_cover(plan, s, so);
+    expect_longest_first(plan, so);
   }
+}
+
+// Uneven sequences: the full pass's blocks are listed longest first, each block (sequence,
+// segment) of the plan exactly once -- an empty sequence's one block too.
+TEST(CudaPlan, UnevenSequencesLaunchLongestFirst) {
+  const std::vector<int64_t> lens = {4096, 512, 3000, 1, 2048, 7000, 64, 65, 1024, 4000, 333, 2500, 1500, 3000, 2000, 1626};
+  std::vector<int64_t> so = {0};
+  for (int64_t l : lens) so.push_back(so.back() + l);
+  const Shape s{.B = 1, .T = so.back(), .H = 16};
+  const ForwardPlan plan = plan_for(s, so);
+  EXPECT_GT(plan.block_order_count, 0);
+  expect_longest_first(plan, so);
+  // Equal lengths keep the natural order, and so do the single-role kernels.
+  EXPECT_EQ(plan_for({.B = 8, .T = 4096, .H = 16}).block_order_count, 0);
+  EXPECT_EQ(plan_for({.B = 1, .T = so.back(), .H = 16, .variant = 1}, so).block_order_count, 0);
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "backends/cuda/chunk_layout.hpp"
+
 namespace gla::cuda {
 
 enum ElementType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
@@ -64,10 +66,18 @@ struct ForwardPlan {
   int64_t segment_chunks = 0;  // segment length in 64-token chunks
   int64_t max_segments = 0;    // per sequence (grid size)
   size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1)
+  // Full-pass blocks of the warp-specialised kernels longest first (n * max_segments + m each;
+  // 0 = natural order): uneven sequences otherwise leave their longest segments for last.
+  int32_t block_order_count = 0;
+  int32_t block_order[detail::kMaxBlockOrder] = {};
 };
 
 // Plans a forward. seq_offsets: host copy of the N + 1 offsets (per-row 0, T, 2T... without varlen).
 ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int sm_count);
+// The longest-first block order for the plan's segment length (plan_forward calls it; the
+// harness again after overriding the segment length). Leaves the natural order when the kernel
+// is not a warp-specialised one, the lengths are all equal, or there are too many blocks.
+void order_blocks(ForwardPlan& plan, const int64_t* seq_offsets, int64_t N);
 
 // Queues the forward on `stream`. workspace must hold plan.workspace_bytes (may be null if 0).
 cudaError_t launch_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace,

@@ -7,6 +7,9 @@
 
 namespace gla::cuda::detail {
 
+// Kernel parameters (ForwardParams and SegmentArgs with its block order) within the classic 4 KB.
+static_assert(sizeof(ForwardParams) + sizeof(SegmentArgs) <= 4096, "kernel parameters over 4 KB");
+
 template <int DK, int BV, typename E, bool MMA_DIAG = false>
 cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
@@ -73,6 +76,15 @@ cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* 
     if (err != cudaSuccess) return err;
   }
   sa.pass = 2;
+  // The full pass longest block first (plan.block_order; pass 1's blocks are whole segments of
+  // equal length and keep the natural grid).
+  if (plan.block_order_count > 0) {
+    sa.order_count = plan.block_order_count;
+    for (int i = 0; i < plan.block_order_count; ++i) sa.order[i] = plan.block_order[i];
+    const dim3 ordered_grid(static_cast<unsigned>(p.H * plan.value_tiles), static_cast<unsigned>(plan.block_order_count));
+    kernel<<<ordered_grid, kThreads, L.total, stream>>>(p, sa);
+    return cudaGetLastError();
+  }
   kernel<<<grid, kThreads, L.total, stream>>>(p, sa);
   return cudaGetLastError();
 }

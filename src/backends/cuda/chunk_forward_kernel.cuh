@@ -234,9 +234,12 @@ __device__ __forceinline__ void store_segment_state(const float (&S)[DK / 8][4],
 
 // A's off-diagonal 16x16 block (i, j), i > j, on tensor cores, pivoted at the last row of
 // sub-chunk i-1: A_ij = (qloc_i 2^{sum_{j<l<i} Tot_l}) kloc_j^T, every factor <= 1.
-template <int DK, typename X>
+// TABLE: the factors of the far blocks come from ofac (three rows of DK: 2^{Tot_1}, 2^{Tot_2},
+// 2^{Tot_1 + Tot_2}, written once per chunk by the warp-specialised kernel's write phase) instead
+// of exp2 per k-step here.
+template <int DK, typename X, bool TABLE = false>
 __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16_t* qw, const uint16_t* kw, int pq,
-                                              const float* tot, int i, int j, int lane) {
+                                              const float* tot, int i, int j, int lane, const float* ofac = nullptr) {
   const int mi = lane >> 3, fr = lane >> 2, fc = fc_of(lane);
   // Even and odd k-steps accumulate separately: four independent mma chains instead of two.
   float acc[2][2][4] = {};
@@ -253,13 +256,21 @@ __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int kcol = kk * 16 + half * 8 + fc;
-        float f0 = tot[(j + 1) * DK + kcol], f1 = tot[(j + 1) * DK + kcol + 1];
-        if (i - j > 2) {
-          f0 += tot[(j + 2) * DK + kcol];
-          f1 += tot[(j + 2) * DK + kcol + 1];
+        float f0, f1;
+        if constexpr (TABLE) {
+          const float2 f = *reinterpret_cast<const float2*>(ofac + (i - j > 2 ? 2 : j) * DK + kcol);
+          f0 = f.x;
+          f1 = f.y;
+        } else {
+          f0 = tot[(j + 1) * DK + kcol];
+          f1 = tot[(j + 1) * DK + kcol + 1];
+          if (i - j > 2) {
+            f0 += tot[(j + 2) * DK + kcol];
+            f1 += tot[(j + 2) * DK + kcol + 1];
+          }
+          f0 = fast_exp2(f0);
+          f1 = fast_exp2(f1);
         }
-        f0 = fast_exp2(f0);
-        f1 = fast_exp2(f1);
         const float2 x0 = X::to_float2(a[half * 2]), x1 = X::to_float2(a[half * 2 + 1]);
         a[half * 2] = X::pack(x0.x * f0, x0.y * f1);
         a[half * 2 + 1] = X::pack(x1.x * f0, x1.y * f1);

@@ -39,6 +39,7 @@ struct WsSmem {
   int slot0, slot_step;     // two slots, each {qw, kw, A, decay} at the offsets below
   int s_qw, s_kw, s_a, s_dfac;
   int tot, htot, dpart;     // htot: per-half sub-chunk totals (split items only)
+  int ofac;                 // the far off-diagonal blocks' factors: 2^{Tot_1}, 2^{Tot_2}, 2^{Tot_1 + Tot_2}
   int mbar;                 // 4 mbarriers (READY[2], FREE[2]) for the mbarrier hand-off
   int total;
   __host__ __device__ int lvl(int i) const { return lvl0 + i * lvl_step; }
@@ -50,6 +51,9 @@ struct WsSmem {
 };
 // Per prep warp: RS row sums of q.k, then RS/2 pair sums (RS = 16 / halves rows per item).
 __host__ __device__ constexpr int ws_dpart_stride(int halves) { return (16 / halves) * 3 / 2; }
+// The far blocks' factor table, where it fits: not with split items at DK = 128 (768 threads),
+// whose shared memory is full.
+__host__ __device__ constexpr bool ws_far_factor_table(int dk, int halves) { return !(dk == 128 && halves > 1); }
 // halves = 2 or 4: the split-item variants (two or four prep threads per element-wise item, 8 or 4
 // rows each).
 __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
@@ -76,6 +80,12 @@ __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halv
   s.tot = off; off += 4 * dk * 4;
   s.htot = off; off += halves > 1 ? 4 * halves * dk * 4 : 0;
   s.dpart = off; off += (2 * dk * halves / 32) * ws_dpart_stride(halves) * 4;
+  off = (off + 15) & ~15;
+  s.ofac = -1;
+  if (ws_far_factor_table(dk, halves)) {
+    s.ofac = off;
+    off += 3 * dk * 4;
+  }
   off = (off + 7) & ~7;
   s.mbar = off; off += 4 * 8;
   s.total = off;
@@ -233,13 +243,19 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   constexpr int NKT = DK / 8;
   constexpr int kWarpsPerItemRow = DK / 64;  // warps per (sub-chunk, half): DK/2 column pairs
   constexpr int DPS = ws_dpart_stride(HALVES);
+  constexpr bool kFarTable = ws_far_factor_table(DK, HALVES);
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t n = blockIdx.x / sa.max_segments;
-  const int64_t m = blockIdx.x % sa.max_segments;
-  const int64_t h = blockIdx.y / sa.value_tiles;
-  const int vt = blockIdx.y % sa.value_tiles;
+  // Natural grid (n * max_segments + m, head tile), or with a launch order (head tile, order
+  // index): SegmentArgs::order.
+  const bool ordered = sa.order_count > 0;
+  const int64_t blk = ordered ? sa.order[blockIdx.y] : blockIdx.x;
+  const int64_t hv = ordered ? blockIdx.x : blockIdx.y;
+  const int64_t n = blk / sa.max_segments;
+  const int64_t m = blk % sa.max_segments;
+  const int64_t h = hv / sa.value_tiles;
+  const int vt = static_cast<int>(hv % sa.value_tiles);
   const int64_t v0 = int64_t(vt) * BV;
 
   const SeqSpan seq = sequence_span(p, n);
@@ -399,8 +415,73 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         const float2 q = X::to_float2(qv[2 * i + 1]), k = X::to_float2(kv[2 * i]);
         pr[i] = q.x * e0[2 * i + 1] * k.x + q.y * e1[2 * i + 1] * k.y;
       }
+      if (prep_math && full) {
+        // Reduce dg (RS rows) and pr (RS/2 pairs) over the warp: half-exchange, then butterflies.
+        // Here, before the write phase, so that dg and pr are dead while it holds q, k and the factors
+        // (the prep group spilled there; dpart's readers of the last chunk passed the first barrier).
+        // dpart per warp (stride DPS): RS row sums, then RS/2 pair sums.
+        constexpr int HV = RS / 2, HP = RS / 4;
+        const bool upper = (lane & 16) != 0;
+        float hv[HV], hp[HP];
+#pragma unroll
+        for (int i = 0; i < HV; ++i) {
+          const float send = upper ? dg[i] : dg[i + HV];
+          const float keep = upper ? dg[i + HV] : dg[i];
+          hv[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+        }
+#pragma unroll
+        for (int i = 0; i < HP; ++i) {
+          const float send = upper ? pr[i] : pr[i + HP];
+          const float keep = upper ? pr[i + HP] : pr[i];
+          hp[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+        }
+#pragma unroll
+        for (int o = 8; o >= 1; o >>= 1) {
+#pragma unroll
+          for (int i = 0; i < HV; ++i) hv[i] += __shfl_xor_sync(0xffffffffu, hv[i], o);
+#pragma unroll
+          for (int i = 0; i < HP; ++i) hp[i] += __shfl_xor_sync(0xffffffffu, hp[i], o);
+        }
+        if ((lane & 15) == 0) {
+#pragma unroll
+          for (int i = 0; i < HV; ++i) dpart[warp * DPS + (upper ? HV : 0) + i] = hv[i];
+#pragma unroll
+          for (int i = 0; i < HP; ++i) dpart[warp * DPS + RS + (upper ? HP : 0) + i] = hp[i];
+        }
+      }
       named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
       if (c + 1 < c_end) issue_loads(c + 1);
+      // The far off-diagonal blocks' factors 2^{Tot_1}, 2^{Tot_2}, 2^{Tot_1 + Tot_2} for this
+      // thread's two columns, once per chunk (the A phase read them per k-step as exp2 of sums,
+      // which made the far blocks the slowest A tasks). Sub-chunk totals in exactly the
+      // expressions that tot[] gets, so the factors are bitwise those of the per-k-step form. The
+      // last chunk's A phase read the table before the barrier that preceded this chunk's loads.
+      if constexpr (kFarTable) {
+        if (prep_math && full && hf == 0 && (sub == 1 || sub == 2)) {
+          float* ofac = reinterpret_cast<float*>(smem + L.ofac);
+          auto sub_total = [&](int s, int col) {
+            if constexpr (HALVES == 1) {
+              return tot[s * DK + col];
+            } else {
+              float t = htot[(s * HALVES) * DK + col];
+#pragma unroll
+              for (int i = 1; i < HALVES; ++i) t += htot[(s * HALVES + i) * DK + col];
+              return t;
+            }
+          };
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float t1 = sub_total(1, k0 + e);
+            if (sub == 1) {
+              ofac[k0 + e] = fast_exp2(t1);
+            } else {
+              const float t2 = sub_total(2, k0 + e);
+              ofac[DK + k0 + e] = fast_exp2(t2);
+              ofac[2 * DK + k0 + e] = fast_exp2(t1 + t2);
+            }
+          }
+        }
+      }
       // The slot was last used by chunk c-2: wait until the state group is done with it.
       if (c >= c_begin + 2) {
         if (use_mbar) {
@@ -505,38 +586,6 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           }
         }
       }
-      if (prep_math && full) {
-        // Reduce dg (RS rows) and pr (RS/2 pairs) over the warp: half-exchange, then butterflies.
-        // dpart per warp (stride DPS): RS row sums, then RS/2 pair sums.
-        constexpr int HV = RS / 2, HP = RS / 4;
-        const bool upper = (lane & 16) != 0;
-        float hv[HV], hp[HP];
-#pragma unroll
-        for (int i = 0; i < HV; ++i) {
-          const float send = upper ? dg[i] : dg[i + HV];
-          const float keep = upper ? dg[i + HV] : dg[i];
-          hv[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-        }
-#pragma unroll
-        for (int i = 0; i < HP; ++i) {
-          const float send = upper ? pr[i] : pr[i + HP];
-          const float keep = upper ? pr[i + HP] : pr[i];
-          hp[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-        }
-#pragma unroll
-        for (int o = 8; o >= 1; o >>= 1) {
-#pragma unroll
-          for (int i = 0; i < HV; ++i) hv[i] += __shfl_xor_sync(0xffffffffu, hv[i], o);
-#pragma unroll
-          for (int i = 0; i < HP; ++i) hp[i] += __shfl_xor_sync(0xffffffffu, hp[i], o);
-        }
-        if ((lane & 15) == 0) {
-#pragma unroll
-          for (int i = 0; i < HV; ++i) dpart[warp * DPS + (upper ? HV : 0) + i] = hv[i];
-#pragma unroll
-          for (int i = 0; i < HP; ++i) dpart[warp * DPS + RS + (upper ? HP : 0) + i] = hp[i];
-        }
-      }
       named_sync(kBarPrep, NP);
 
       // ---- A: off-diagonal blocks, the three level products, diagonal and h = 1 entries ----
@@ -547,8 +596,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         // blocks and two levels, or six levels. (Round-robin gave two of 8 warps 4 units.)
         auto offdiag = [&](int task) {
           // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
-          offdiag_block<DK, X>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
-                               (0x010210 >> (4 * task)) & 15, lane);
+          offdiag_block<DK, X, kFarTable>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
+                                          (0x010210 >> (4 * task)) & 15, lane,
+                                          reinterpret_cast<const float*>(smem + L.ofac));
         };
         auto level = [&](int task) {
           level_block_at<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
@@ -565,9 +615,15 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
               level(2 * (warp - 6) + 1);
             }
           } else if constexpr (NW == 8) {
-            if (warp < 6) {
-              offdiag(warp);
-              level(warp);
+            // The three far blocks (2,0) (3,1) (3,0) -- the heaviest tasks, with their fragment
+            // scaling -- alone on warps 0..2; the near blocks and the 12 levels three to a warp
+            // on warps 3..7.
+            if (warp < 3) {
+              offdiag(3 + warp);
+            } else if (warp < 6) {
+              offdiag(warp - 3);
+              level(2 * (warp - 3));
+              level(2 * (warp - 3) + 1);
             } else {
               for (int i = 0; i < 3; ++i) level(6 + 3 * (warp - 6) + i);
             }

@@ -14,6 +14,9 @@
 namespace gla::cuda::detail {
 
 constexpr int kChunk = 64;
+// Most (sequence, segment) blocks a launch can take in an explicit order (kernel parameter space:
+// with ForwardParams the parameters stay under the classic 4 KB).
+constexpr int kMaxBlockOrder = 480;
 
 struct SegmentArgs {
   int64_t segment_chunks;  // chunks per segment
@@ -22,6 +25,11 @@ struct SegmentArgs {
   int32_t pass;            // 1: local states only; 2: full forward
   float* seg_states;       // [N, max_segments, H, value_tiles * BV, DK]
   float* seg_decay;        // [N, max_segments, H, DK] total log2 decay of each segment
+  // Launch order of the warp-specialised kernel's full pass (0: natural). With an order the grid
+  // is (H * value_tiles, order_count): block (x, y) runs block n * max_segments + m = order[y] of
+  // head tile x, so the longest blocks start first (heads innermost).
+  int32_t order_count;
+  int32_t order[kMaxBlockOrder];
 };
 
 // Shared-memory layout (bytes), computed identically on host and device.

@@ -27,7 +27,45 @@ double simulate(const std::vector<double>& costs, int slots) {
   return end;
 }
 
+// The full pass's blocks (n, m) of one head tile at segment length seg, with their estimated cost
+// (chunks + fixed cost + folding the m earlier states): longest first, among equal lengths the
+// one folding more states first, then in (n, m) order.
+struct BlockItem {
+  double cost;
+  int64_t len, n, m;
+};
+std::vector<BlockItem> blocks_longest_first(const std::vector<int64_t>& chunks, int64_t seg) {
+  std::vector<BlockItem> items;
+  for (int64_t n = 0; n < static_cast<int64_t>(chunks.size()); ++n) {
+    // An empty sequence still has its one block (it writes final_state = initial_state).
+    const int64_t ns = chunks[n] == 0 ? 1 : (chunks[n] + seg - 1) / seg;
+    for (int64_t m = 0; m < ns; ++m) {
+      const int64_t len = chunks[n] == 0 ? 0 : std::min(seg, chunks[n] - m * seg);
+      items.push_back({double(len) + 0.3 + 0.15 * double(m), len, n, m});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const BlockItem& a, const BlockItem& b) {
+    return a.len != b.len ? a.len > b.len : a.m > b.m;
+  });
+  return items;
+}
+
 }  // namespace
+
+void order_blocks(ForwardPlan& plan, const int64_t* seq_offsets, int64_t N) {
+  plan.block_order_count = 0;
+  if (!plan.use_chunk_kernel || plan.kernel < 2 || N < 2) return;
+  std::vector<int64_t> chunks(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) chunks[n] = (seq_offsets[n + 1] - seq_offsets[n] + 63) / 64;
+  const std::vector<BlockItem> items = blocks_longest_first(chunks, plan.segment_chunks);
+  if (items.size() > size_t(detail::kMaxBlockOrder)) return;
+  // Equal lengths throughout (and no segments): the natural order is already longest first.
+  if (items.front().len == items.back().len && plan.max_segments == 1) return;
+  for (size_t i = 0; i < items.size(); ++i) {
+    plan.block_order[i] = static_cast<int32_t>(items[i].n * plan.max_segments + items[i].m);
+  }
+  plan.block_order_count = static_cast<int32_t>(items.size());
+}
 
 ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int sm_count) {
   ForwardPlan plan;
@@ -77,16 +115,23 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
       if (seg > max_chunks) continue;
       const int64_t max_seg = (max_chunks + seg - 1) / seg;
       std::vector<double> pass2, pass1;
+      // The warp-specialised kernels launch the full pass longest first when the blocks fit the
+      // order table (order_blocks): model that order, heads innermost.
+      const std::vector<BlockItem> ordered = blocks_longest_first(chunks, seg);
+      const bool use_order = plan.kernel >= 2 && p.N > 1 && ordered.size() <= size_t(detail::kMaxBlockOrder);
+      if (use_order) {
+        for (const BlockItem& b : ordered) pass2.insert(pass2.end(), size_t(copies), b.cost);
+      }
       for (int64_t y = 0; y < copies; ++y) {
         for (int64_t n = 0; n < p.N; ++n) {
           const int64_t ns = chunks[n] == 0 ? 1 : (chunks[n] + seg - 1) / seg;
           for (int64_t m = 0; m < max_seg; ++m) {
             if (m >= ns) {
-              pass2.push_back(0.02);
+              if (!use_order) pass2.push_back(0.02);
               continue;
             }
             const int64_t len = std::min(seg, chunks[n] - m * seg);
-            pass2.push_back(double(len) + 0.3 + 0.15 * double(m));
+            if (!use_order) pass2.push_back(double(len) + 0.3 + 0.15 * double(m));
             if (m < ns - 1) pass1.push_back(0.5 * double(len) + 0.3);
           }
         }
@@ -104,6 +149,7 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
     const size_t per = size_t(plan.value_tiles) * plan.value_tile * plan.head_dim_k + plan.head_dim_k;
     plan.workspace_bytes = size_t(p.N) * plan.max_segments * p.H * per * sizeof(float);
   }
+  order_blocks(plan, seq_offsets, p.N);
   return plan;
 }
 
