@@ -38,6 +38,8 @@ for step in "$@"; do
       # hand-off as bar.sync here (GLA_CUDA_SKIP=128; chunk_forward_ws_kernel.cuh says why).
       GLA_CUDA_SKIP=128 timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$LOG/racecheck.log"
       GLA_CUDA_KERNEL=mma-diag timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -3 | tee "$LOG/racecheck_mma_diag.log"
+      # the same kernels with the mbarrier hand-off (which racecheck does model), where carried
+      [ -x build-cuda/harness_mbar ] && timeout 150 compute-sanitizer --tool racecheck ./build-cuda/harness_mbar check 2>&1 | tail -3 | tee "$LOG/racecheck_mbar.log"
       unset GLA_CHECK_SMALL ;;
     gtest) LD_LIBRARY_PATH=build-cuda ./build-cuda/tests/cpp/gla_tests --gtest_filter='*Cuda*' 2>&1 | tee "$LOG/gtest.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |FAILED|Failure|error" | head -40 ;;
     fla) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -73,8 +75,9 @@ for step in "$@"; do
       for r in 1 2; do for o in 0 1; do echo "GLA_ORDER=$o"; GLA_ORDER=$o ./build-cuda/harness bench varlen 1x32768x16x128 32x1024x16x128 8x4096x16x128; done; done 2>&1 | tee "$LOG/bench_order.log" ;;
     abbin) # several harness builds in one call (bench/cuda/build_harness_at.sh REF NAME; carry each
       # build-cuda/NAME): AB_BINS="harness harness_regs ...", check each, then two interleaved rounds
+      # (AB_SHAPES: the shapes, default the five of the issue; the host fills inputs, ~15 s per shape)
       for b in ${AB_BINS:-harness}; do timeout 120 ./build-cuda/$b check 2>&1 | tail -1 | sed "s/^/$b: /"; done 2>&1 | tee "$LOG/check_abbin.log"
-      for r in 1 2; do for b in ${AB_BINS:-harness}; do echo "== $b"; ./build-cuda/$b bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done; done 2>&1 | tee "$LOG/bench_abbin.log" ;;
+      for r in 1 2; do for b in ${AB_BINS:-harness}; do echo "== $b"; ./build-cuda/$b bench ${AB_SHAPES:-8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen}; done; done 2>&1 | tee "$LOG/bench_abbin.log" ;;
     checkvar) # correctness of the opt-in variants (the default is the check step)
       for v in ws ws-split mma-diag; do GLA_CUDA_KERNEL=$v timeout 150 ./build-cuda/harness check 2>&1 | tail -1 | sed "s/^/$v: /"; done 2>&1 | tee "$LOG/check_variants.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)

@@ -51,9 +51,12 @@ struct WsSmem {
 };
 // Per prep warp: RS row sums of q.k, then RS/2 pair sums (RS = 16 / halves rows per item).
 __host__ __device__ constexpr int ws_dpart_stride(int halves) { return (16 / halves) * 3 / 2; }
-// The far blocks' factor table, where it fits: not with split items at DK = 128 (768 threads),
-// whose shared memory is full.
-__host__ __device__ constexpr bool ws_far_factor_table(int dk, int halves) { return !(dk == 128 && halves > 1); }
+// The far blocks' factor table (and the A-phase split that gives the far blocks warps of their
+// own) only where it measured faster: DK = 128 with one prep thread per item. On the H200, same
+// call, interleaved: B8 T4096 H16 D128 0.388 -> 0.380 ms with it; but B4 T8192 H32 D64 (split
+// items) 0.365 -> 0.377 ms and B32 T1024 H16 D128 0.437 -> 0.454 ms. Split items at DK = 128
+// (768 threads) have no room for it: their shared memory is full.
+__host__ __device__ constexpr bool ws_far_factor_table(int dk, int halves) { return dk == 128 && halves == 1; }
 // halves = 2 or 4: the split-item variants (two or four prep threads per element-wise item, 8 or 4
 // rows each).
 __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
@@ -415,11 +418,13 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         const float2 q = X::to_float2(qv[2 * i + 1]), k = X::to_float2(kv[2 * i]);
         pr[i] = q.x * e0[2 * i + 1] * k.x + q.y * e1[2 * i + 1] * k.y;
       }
-      if (prep_math && full) {
-        // Reduce dg (RS rows) and pr (RS/2 pairs) over the warp: half-exchange, then butterflies.
-        // Here, before the write phase, so that dg and pr are dead while it holds q, k and the factors
-        // (the prep group spilled there; dpart's readers of the last chunk passed the first barrier).
-        // dpart per warp (stride DPS): RS row sums, then RS/2 pair sums.
+      // Reduce dg (RS rows) and pr (RS/2 pairs) over the warp: half-exchange, then butterflies;
+      // dpart per warp (stride DPS): RS row sums, then RS/2 pair sums. At RS = 16 this runs before
+      // the write phase, so that dg and pr are dead while that phase holds q, k and the factors (the
+      // prep group spilled 148 B there; dpart's readers of the last chunk passed the first barrier).
+      // At RS < 16 nothing spills and running it first only delays the next chunk's loads (B4 T8192
+      // H32 D64: 0.365 -> 0.375 ms on the H200), so it stays after the write phase.
+      auto reduce_partials = [&]() {
         constexpr int HV = RS / 2, HP = RS / 4;
         const bool upper = (lane & 16) != 0;
         float hv[HV], hp[HP];
@@ -448,6 +453,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 #pragma unroll
           for (int i = 0; i < HP; ++i) dpart[warp * DPS + RS + (upper ? HP : 0) + i] = hp[i];
         }
+      };
+      if constexpr (RS == 16) {
+        if (prep_math && full) reduce_partials();
       }
       named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
       if (c + 1 < c_end) issue_loads(c + 1);
@@ -586,6 +594,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           }
         }
       }
+      if constexpr (RS != 16) {
+        if (prep_math && full) reduce_partials();
+      }
       named_sync(kBarPrep, NP);
 
       // ---- A: off-diagonal blocks, the three level products, diagonal and h = 1 entries ----
@@ -613,6 +624,13 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             } else if (warp < 12) {
               level(2 * (warp - 6));
               level(2 * (warp - 6) + 1);
+            }
+          } else if constexpr (NW == 8 && !kFarTable) {
+            if (warp < 6) {
+              offdiag(warp);
+              level(warp);
+            } else {
+              for (int i = 0; i < 3; ++i) level(6 + 3 * (warp - 6) + i);
             }
           } else if constexpr (NW == 8) {
             // The three far blocks (2,0) (3,1) (3,0) -- the heaviest tasks, with their fragment
