@@ -210,6 +210,13 @@ __device__ __forceinline__ void write_level_split(uint16_t* base, int pq, int hf
 
 // Register split of the 768-thread split-item kernel at DK = 128 (launched with 80 per thread:
 // 512 prep threads give up registers to the 256 state threads, which hold S^T).
+// Register split of the 512-thread kernel at DK = 128 (launched with 128 per thread). Measured on
+// the H200 (same call, interleaved, B8 T4096 H16 D128 / B32 T1024): 112/144 0.381/0.453 ms,
+// 120/136 0.393/0.465, 128/128 0.402/0.471 -- the state group spills below 144.
+#ifndef GLA_WS512_PREP_REGS
+#define GLA_WS512_PREP_REGS "112"
+#define GLA_WS512_STATE_REGS "144"
+#endif
 #ifndef GLA_WS768_PREP_REGS
 #define GLA_WS768_PREP_REGS "56"
 #define GLA_WS768_STATE_REGS "128"
@@ -300,7 +307,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   if (warp < NP / 32) {
     // =============================== prep group ===============================
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (NT == 512) asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::);
+    if constexpr (NT == 512) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS512_PREP_REGS ";\n" ::);
     if constexpr (NT == 768) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS768_PREP_REGS ";\n" ::);
     if constexpr (NT == 640) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS640_PREP_REGS ";\n" ::);
 #endif
@@ -731,7 +738,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   } else {
     // =============================== state group ===============================
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (NT == 512) asm volatile("setmaxnreg.inc.sync.aligned.u32 144;\n" ::);
+    if constexpr (NT == 512) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS512_STATE_REGS ";\n" ::);
     if constexpr (NT == 768) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS768_STATE_REGS ";\n" ::);
     if constexpr (NT == 640) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS640_STATE_REGS ";\n" ::);
 #endif
