@@ -8,6 +8,7 @@
 #     src/backends/cuda/chunk_forward_d128.cu
 #   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o build-cuda/handoff bench/cuda/handoff_racecheck.cu
 #   (the harness again with -DGLA_WS_MBARRIER=1 -o build-cuda/harness_mbar: mbarrier hand-off, for racecheck)
+#   (and with -DGLA_WS_PHASE_CLOCKS -o build-cuda/harness_clk: per-warp phase clocks, step `clocks`)
 # A device call returns at most 8 files from $OUT: the logs go to $OUT/logs/ and come back as one
 # $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/
 # and carry .devtmp to skip fla's ~80 s autotune per shape next time).
@@ -78,6 +79,9 @@ for step in "$@"; do
       # (AB_SHAPES: the shapes, default the five of the issue; the host fills inputs, ~15 s per shape)
       for b in ${AB_BINS:-harness}; do timeout 120 ./build-cuda/$b check 2>&1 | tail -1 | sed "s/^/$b: /"; done 2>&1 | tee "$LOG/check_abbin.log"
       for r in 1 2; do for b in ${AB_BINS:-harness}; do echo "== $b"; ./build-cuda/$b bench ${AB_SHAPES:-8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen}; done; done 2>&1 | tee "$LOG/bench_abbin.log" ;;
+    clocks) # per-warp phase clocks of the ws kernel (build-cuda/harness_clk: the harness built with
+      # -DGLA_WS_PHASE_CLOCKS; ~6% slower, so for where-the-time-goes, not for timing)
+      ./build-cuda/harness_clk bench ${AB_SHAPES:-8x4096x16x128 32x1024x16x128 varlen} 2>&1 | tee "$LOG/clocks.log" ;;
     checkvar) # correctness of the opt-in variants (the default is the check step)
       for v in ws ws-split mma-diag; do GLA_CUDA_KERNEL=$v timeout 150 ./build-cuda/harness check 2>&1 | tail -1 | sed "s/^/$v: /"; done 2>&1 | tee "$LOG/check_variants.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)

@@ -472,6 +472,31 @@ int main(int argc, char** argv) {
       setup(P, 11, false);
       const float ms = time_ms(P, 30);
       const Case& c = P.c;
+#ifdef GLA_WS_PHASE_CLOCKS
+      {
+        // One more launch with the phase clocks on: mean cycles per chunk, per warp and phase.
+        const int nw = 32;
+        unsigned long long* dclk = nullptr;
+        CK(cudaMalloc(&dclk, nw * 16 * sizeof(unsigned long long)));
+        CK(cudaMemset(dclk, 0, nw * 16 * sizeof(unsigned long long)));
+        P.p.debug_clocks = dclk;
+        CK(launch_forward(P.p, P.plan, P.d.ws, 0));
+        CK(cudaDeviceSynchronize());
+        std::vector<unsigned long long> h(nw * 16);
+        CK(cudaMemcpy(h.data(), dclk, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+        CK(cudaFree(dclk));
+        P.p.debug_clocks = nullptr;
+        std::printf("phase clocks %s (cycles per chunk; prep: load-wait bar read bar loads+far FREE write bar A bar "
+                    "rescale+READY | state: store+vwait bar v-issue READY products+FREE)\n", argv[i]);
+        for (int w = 0; w < nw; ++w) {
+          const unsigned long long n = h[w * 16 + 15];
+          if (!n) continue;
+          std::printf("  warp %2d:", w);
+          for (int k = 0; k < 11; ++k) std::printf(" %6.0f", double(h[w * 16 + k]) / double(n));
+          std::printf("\n");
+        }
+      }
+#endif
       const double bytes = double(c.B * c.T * c.H) * (3 * c.K + 2 * c.V) * 2;
       std::printf("bench %-16s %.4f ms  (%.2f TB/s eff)  plan: k%d dk %d bv %d seg %lld x %lld chunks ws %.1f MB order %d\n", argv[i], ms,
                   bytes / (ms * 1e-3) / 1e12, P.plan.kernel, P.plan.head_dim_k, P.plan.value_tile, (long long)P.plan.max_segments,

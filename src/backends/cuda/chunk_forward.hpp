@@ -53,6 +53,11 @@ struct ForwardParams {
   // warp-specialised kernel with two threads per item, at any K), 4 ws (one thread per item), 5
   // ws-split4 (four threads per item at K <= 64, else as auto). Kept for A/B timing and as a fallback.
   int32_t kernel_variant;
+#ifdef GLA_WS_PHASE_CLOCKS
+  // Profiling builds of the harness only (-DGLA_WS_PHASE_CLOCKS): per CTA warp, 16 counters of
+  // summed clock64 cycles by phase of the warp-specialised kernel (see GLA_PHASE there).
+  unsigned long long* debug_clocks;
+#endif
 };
 
 // How the chunk kernel splits sequences (host-side plan; see plan_forward).

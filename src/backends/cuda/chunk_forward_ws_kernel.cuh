@@ -102,6 +102,29 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// Phase clocks (harness-only profiling builds, -DGLA_WS_PHASE_CLOCKS): lane 0 of every warp adds
+// the cycles since its previous stamp to counter i of its warp, so each phase's work and each
+// barrier's wait are separated per warp. Counter 15 counts chunks.
+#ifdef GLA_WS_PHASE_CLOCKS
+#define GLA_PHASE(i)                                                                                \
+  do {                                                                                              \
+    const long long t_ = clock64();                                                                 \
+    if (lane == 0 && p.debug_clocks) atomicAdd(p.debug_clocks + warp * 16 + (i), static_cast<unsigned long long>(t_ - phase_t)); \
+    phase_t = t_;                                                                                   \
+  } while (0)
+#define GLA_PHASE_COUNT() \
+  do {                    \
+    if (lane == 0 && p.debug_clocks) atomicAdd(p.debug_clocks + warp * 16 + 15, 1ull); \
+  } while (0)
+#else
+#define GLA_PHASE(i) \
+  do {               \
+  } while (0)
+#define GLA_PHASE_COUNT() \
+  do {                    \
+  } while (0)
+#endif
+
 #ifndef GLA_WS_MBARRIER
 #define GLA_WS_MBARRIER 0
 #endif
@@ -257,6 +280,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#ifdef GLA_WS_PHASE_CLOCKS
+  long long phase_t = clock64();
+#endif
   // Natural grid (n * max_segments + m, head tile), or with a launch order (head tile, order
   // index): SegmentArgs::order.
   const bool ordered = sa.order_count > 0;
@@ -377,7 +403,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a(slot));
       float* dfac = reinterpret_cast<float*>(smem + L.dfac(slot));
       cp_async_wait_all();
+      GLA_PHASE_COUNT();
+      GLA_PHASE(0);
       named_sync(kBarPrep, NP);  // raw stage complete; the last chunk's tot/dpart readers are done
+      GLA_PHASE(1);
 
       const bool prep_math = !(p.debug_skip & 64);  // profiling: 64 = hand-offs and loads only
       // ---- element-wise, read phase: raw q, k, g -> registers ----
@@ -464,7 +493,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       if constexpr (RS == 16) {
         if (prep_math && full) reduce_partials();
       }
+      GLA_PHASE(2);
       named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
+      GLA_PHASE(3);
       if (c + 1 < c_end) issue_loads(c + 1);
       // The far off-diagonal blocks' factors 2^{Tot_1}, 2^{Tot_2}, 2^{Tot_1 + Tot_2} for this
       // thread's two columns, once per chunk (the A phase read them per k-step as exp2 of sums,
@@ -497,6 +528,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           }
         }
       }
+      GLA_PHASE(4);
       // The slot was last used by chunk c-2: wait until the state group is done with it.
       if (c >= c_begin + 2) {
         if (use_mbar) {
@@ -506,6 +538,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
       }
 
+      GLA_PHASE(5);
       // ---- element-wise, write phase: qloc, kloc, level copies; reductions ----
       float ht0[HALVES], ht1[HALVES];  // split items: the row totals of this item's threads
       if (prep_math) {
@@ -604,7 +637,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       if constexpr (RS != 16) {
         if (prep_math && full) reduce_partials();
       }
+      GLA_PHASE(6);
       named_sync(kBarPrep, NP);
+      GLA_PHASE(7);
 
       // ---- A: off-diagonal blocks, the three level products, diagonal and h = 1 entries ----
       {
@@ -677,7 +712,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           if (r & 1) As[t * L.pa + t - 1] = X::from_float(sp);
         }
       }
+      GLA_PHASE(8);
       named_sync(kBarPrep, NP);  // A done; qloc/kloc no longer read as such
+      GLA_PHASE(9);
 
       // ---- qg = qloc 2^{Pre}, kg = kloc 2^{Post}; the chunk's decay 2^{b_last} ----
       if (prep_math) {
@@ -726,6 +763,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       } else {
         named_arrive(kBarReady0 + slot, NT);
       }
+      GLA_PHASE(10);
     }
     if (!full && vt == 0 && tid < DK / 2) {
       sa.seg_decay[seg_index * DK + k0] = dsum0;
@@ -780,17 +818,22 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       const float* dfac = reinterpret_cast<const float*>(smem + L.dfac(slot));
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
       cp_async_wait_all();
+      GLA_PHASE_COUNT();
+      GLA_PHASE(0);
       named_sync(kBarState, NS);  // v of chunk c landed; the stage refilled next was last read at c-1
+      GLA_PHASE(1);
       if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
 
       uint32_t vf[4][4];
       load_v_fragments(vf, vs, L.pv, vrow, lane);
+      GLA_PHASE(2);
       // qg, kg, A, decay of chunk c are published
       if (use_mbar) {
         mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
       } else {
         named_sync(kBarReady0 + slot, NT);
       }
+      GLA_PHASE(3);
       float acc[8][4] = {};
       const bool state_math = !(p.debug_skip & 32);  // profiling: 32 = loads, hand-offs, stores only
       if (state_math) {
@@ -803,6 +846,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       } else {
         named_arrive(kBarFree0 + slot, NT);
       }
+      GLA_PHASE(4);
 
       if (!full) continue;
       // o^T -> this warp's own columns of the v stage (only this warp read them) -> global.
