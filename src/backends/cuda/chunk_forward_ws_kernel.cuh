@@ -781,7 +781,6 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     if constexpr (NT == 640) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS640_STATE_REGS ";\n" ::);
 #endif
     const int stid = tid - NP, swarp = warp - NP / 32;
-    const int fr = lane >> 2, fc = fc_of(lane);
     const int vrow = swarp * 16;
 
     // v loads, set up once per thread like the prep group's (column group lc, rows lr0 + j kRowStep).
@@ -851,6 +850,29 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       if (!full) continue;
       // o^T -> this warp's own columns of the v stage (only this warp read them) -> global.
       const float sc = p.scale;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // stmatrix .trans: the accumulator pairs (t, t+1) of value row v are an 8x8 b16 fragment of
+      // o^T; stored transposed, each 8x8 lands as 8 o rows (t) of 8 consecutive values. Four such
+      // matrices per instruction (nt, value half 0/1; nt + 1, half 0/1); lane l gives the address
+      // of row l % 8 of matrix l / 8. 4 instructions instead of 32 two-byte stores, bitwise the
+      // same values (the same round-to-nearest conversion, packed in pairs).
+      {
+        const int mi = lane >> 3, j = lane & 7;
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          const int nt = 2 * np + (mi >> 1), half = mi & 1;
+          const uint32_t dst = smem_addr(vs + (nt * 8 + j) * L.pv + vrow + half * 8);
+          const uint32_t r0 = X::pack(acc[2 * np][0] * sc, acc[2 * np][1] * sc);
+          const uint32_t r1 = X::pack(acc[2 * np][2] * sc, acc[2 * np][3] * sc);
+          const uint32_t r2 = X::pack(acc[2 * np + 1][0] * sc, acc[2 * np + 1][1] * sc);
+          const uint32_t r3 = X::pack(acc[2 * np + 1][2] * sc, acc[2 * np + 1][3] * sc);
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(r0),
+                       "r"(r1), "r"(r2), "r"(r3)
+                       : "memory");
+        }
+      }
+#else
+      const int fr = lane >> 2, fc = fc_of(lane);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const int t = nt * 8 + fc;
@@ -860,6 +882,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         vs[t * L.pv + vv + 8] = X::from_float(acc[nt][2] * sc);
         vs[(t + 1) * L.pv + vv + 8] = X::from_float(acc[nt][3] * sc);
       }
+#endif
       __syncwarp();
       const int64_t t0 = seq.bos + c * kChunk;
       char* ob = static_cast<char*>(p.o) + (seq.batch * p.o_stride[0] + t0 * p.o_stride[1] + h * p.o_stride[2] + v0 + vrow) * esz;
