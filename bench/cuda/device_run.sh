@@ -82,6 +82,8 @@ for step in "$@"; do
     clocks) # per-warp phase clocks of the ws kernel (build-cuda/harness_clk: the harness built with
       # -DGLA_WS_PHASE_CLOCKS; ~6% slower, so for where-the-time-goes, not for timing)
       ./build-cuda/harness_clk bench ${AB_SHAPES:-8x4096x16x128 32x1024x16x128 varlen} 2>&1 | tee "$LOG/clocks.log" ;;
+    wgmma) # the wgmma layout probe (bench/cuda/wgmma_probe.cu, built as build-cuda/wgmma_probe)
+      timeout 60 ./build-cuda/wgmma_probe 2>&1 | tee "$LOG/wgmma_probe.log" ;;
     checkvar) # correctness of the opt-in variants (the default is the check step)
       for v in ws ws-split mma-diag; do GLA_CUDA_KERNEL=$v timeout 150 ./build-cuda/harness check 2>&1 | tail -1 | sed "s/^/$v: /"; done 2>&1 | tee "$LOG/check_variants.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
