@@ -85,7 +85,7 @@ for step in "$@"; do
     wgmma) # the wgmma layout probe (bench/cuda/wgmma_probe.cu, built as build-cuda/wgmma_probe)
       timeout 60 ./build-cuda/wgmma_probe 2>&1 | tee "$LOG/wgmma_probe.log" ;;
     checkvar) # correctness of the opt-in variants (the default is the check step)
-      for v in ws ws-split mma-diag; do GLA_CUDA_KERNEL=$v timeout 150 ./build-cuda/harness check 2>&1 | tail -1 | sed "s/^/$v: /"; done 2>&1 | tee "$LOG/check_variants.log" ;;
+      for v in ws ws-split mma-diag ws-wgmma; do GLA_CUDA_KERNEL=$v timeout 150 ./build-cuda/harness check 2>&1 | tail -1 | sed "s/^/$v: /"; done 2>&1 | tee "$LOG/check_variants.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
       for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log"
       # the kernel with the mbarrier hand-off: correctness, speed, racecheck

@@ -216,7 +216,7 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
   {
     const char* kv = std::getenv("GLA_CUDA_KERNEL");
     const std::string v = kv ? kv : "";
-    p.kernel_variant = v == "mma-diag" ? 1 : v == "plain" ? 2 : v == "ws-split" ? 3 : v == "ws" ? 4 : v == "ws-split4" ? 5 : 0;
+    p.kernel_variant = v == "mma-diag" ? 1 : v == "plain" ? 2 : v == "ws-split" ? 3 : v == "ws" ? 4 : v == "ws-split4" ? 5 : v == "ws-wgmma" ? 6 : 0;
   }
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));

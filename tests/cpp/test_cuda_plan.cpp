@@ -79,6 +79,10 @@ TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
       {{.K = 64, .V = 128}, 3, 64, 64, 2},                            // V tiled by the padded K
       {{.K = 100, .V = 200, .vector_loads = 1}, 2, 128, 128, 2},
       {{.dtype = cuda::kF16}, 2, 128, 128, 1},
+      {{.variant = 6}, 6, 128, 128, 1},                               // ws-wgmma at K = 128
+      {{.K = 100, .V = 200, .variant = 6}, 6, 128, 128, 2},
+      {{.K = 64, .V = 64, .variant = 6}, 2, 64, 64, 1},               // ... elsewhere ws
+      {{.gate_dtype = cuda::kF32, .variant = 6}, 1, 128, 128, 1},     // ... or what serves the problem
   };
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];

@@ -51,7 +51,8 @@ struct ForwardParams {
   // where it applies -- with two threads per element-wise item at K <= 64 --, else the
   // tensor-core-diagonal one), 1 mma-diag, 2 plain (element-wise diagonal blocks), 3 ws-split (the
   // warp-specialised kernel with two threads per item, at any K), 4 ws (one thread per item), 5
-  // ws-split4 (four threads per item at K <= 64, else as auto). Kept for A/B timing and as a fallback.
+  // ws-split4 (four threads per item at K <= 64, else as auto), 6 ws-wgmma (the wgmma state group at
+  // K = 128, else as ws). Kept for A/B timing and as a fallback.
   int32_t kernel_variant;
 #ifdef GLA_WS_PHASE_CLOCKS
   // Profiling builds of the harness only (-DGLA_WS_PHASE_CLOCKS): per CTA warp, 16 counters of
@@ -67,7 +68,8 @@ struct ForwardPlan {
   int32_t value_tile = 0;        // 64 or 128
   int32_t value_tiles = 0;
   int32_t kernel = 0;            // 0 plain, 1 mma-diag, 2 warp-specialised (mma-diag numerics), 3 ws two
-                                 // threads per element-wise item, 5 ws four threads per item
+                                 // threads per element-wise item, 5 ws four threads per item,
+                                 // 6 ws with the wgmma state group (opt-in)
   int64_t segment_chunks = 0;  // segment length in 64-token chunks
   int64_t max_segments = 0;    // per sequence (grid size)
   size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1)

@@ -2,6 +2,8 @@
 // chunk_forward_d64.cu and chunk_forward_d128.cu so the two compile in parallel.
 #pragma once
 
+#include <algorithm>
+
 #include "backends/cuda/chunk_forward_kernel.cuh"
 #include "backends/cuda/chunk_forward_ws_kernel.cuh"
 
@@ -44,12 +46,19 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
   return cudaGetLastError();
 }
 
-// The warp-specialised kernel (both passes of a segment split).
-template <int DK, typename E, int RS = 16>
+// The warp-specialised kernel (both passes of a segment split). WG: the full pass with the wgmma
+// state group (ws-wgmma); pass 1 keeps the mma.sync kernel. The shared-memory request covers both
+// layouts (on a device without wgmma the WG instance runs the plain layout).
+template <int DK, typename E, int RS = 16, bool WG = false>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
-  const WsSmem L = ws_smem_layout(DK, p.gate_per_head != 0, 16 / RS);
-  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0>;
+  const bool per_head = p.gate_per_head != 0;
+  const int smem_bytes = WG ? std::max(ws_smem_bytes(DK, per_head, 16 / RS, true), ws_smem_bytes(DK, per_head, 16 / RS, false))
+                            : ws_smem_bytes(DK, per_head, 16 / RS, false);
+  struct Sized {
+    int total;
+  } L{smem_bytes};
+  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, WG>;
   auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;  // pass 1 of a segment split
   static int raised = 0;
   if (raised < L.total) {

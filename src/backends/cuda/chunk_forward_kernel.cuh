@@ -19,6 +19,7 @@
 
 #include "backends/cuda/chunk_layout.hpp"
 #include "backends/cuda/device_utils.cuh"
+#include "backends/cuda/wgmma.cuh"
 
 namespace gla::cuda::detail {
 
@@ -237,9 +238,13 @@ __device__ __forceinline__ void store_segment_state(const float (&S)[DK / 8][4],
 // TABLE: the factors of the far blocks come from ofac (three rows of DK: 2^{Tot_1}, 2^{Tot_2},
 // 2^{Tot_1 + Tot_2}, written once per chunk by the warp-specialised kernel's write phase) instead
 // of exp2 per k-step here.
-template <int DK, typename X, bool TABLE = false>
+// SWZ: qw, kw and A in the 128-byte-swizzled layout (sw128_off; the ws-wgmma variant) instead of
+// padded rows of pitch pq / pa.
+template <int DK, typename X, bool TABLE = false, bool SWZ = false>
 __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16_t* qw, const uint16_t* kw, int pq,
                                               const float* tot, int i, int j, int lane, const float* ofac = nullptr) {
+  auto qo = [&](int r, int c) { return SWZ ? sw128_off(r, c) : r * pq + c; };
+  auto ao = [&](int r, int c) { return SWZ ? sw128_off(r, c) : r * pa + c; };
   const int mi = lane >> 3, fr = lane >> 2, fc = fc_of(lane);
   // Even and odd k-steps accumulate separately: four independent mma chains instead of two.
   float acc[2][2][4] = {};
@@ -248,8 +253,8 @@ __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16
 #pragma unroll
   for (int kk = 0; kk < DK / 16; ++kk) {
     uint32_t a[4], b[4];
-    ldsm_x4(a, qw + arow * pq + kk * 16 + acol);
-    ldsm_x4(b, kw + brow * pq + kk * 16 + bcol);
+    ldsm_x4(a, qw + qo(arow, kk * 16 + acol));
+    ldsm_x4(b, kw + qo(brow, kk * 16 + bcol));
     if (i - j > 1) {
       // Fold 2^{sum_{j<l<i} Tot_l} (<= 1) into the query fragment. i - j is 2 or 3: one or two
       // totals, written out (a run-time loop here unrolled into ~3 k SASS instructions of branchy code).
@@ -285,8 +290,8 @@ __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16
     float r[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) r[e] = acc[0][nt][e] + acc[1][nt][e];
-    *reinterpret_cast<uint32_t*>(As + row * pa + col) = X::pack(r[0], r[1]);
-    *reinterpret_cast<uint32_t*>(As + (row + 8) * pa + col) = X::pack(r[2], r[3]);
+    *reinterpret_cast<uint32_t*>(As + ao(row, col)) = X::pack(r[0], r[1]);
+    *reinterpret_cast<uint32_t*>(As + ao(row + 8, col)) = X::pack(r[2], r[3]);
   }
 }
 
@@ -294,7 +299,7 @@ __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16
 // per k-step pair with the 8 key members gathered by per-lane ldmatrix addresses; the entries whose
 // pair this level splits go to A, the cross terms (finite) are dropped by the select. H is a
 // template parameter: with a run-time H every index below was an integer division.
-template <int DK, int H, typename X>
+template <int DK, int H, typename X, bool SWZ = false>
 __device__ __forceinline__ void level_block(uint16_t* As, int pa, const uint16_t* src, int pq, int sub, int lane) {
   const int mi = lane >> 3, fr = lane >> 2, fc = fc_of(lane);
   const int jb = lane & 7;
@@ -318,20 +323,20 @@ __device__ __forceinline__ void level_block(uint16_t* As, int pa, const uint16_t
     const int t = fr + (e >> 1) * 8, j = fc + (e & 1);
     const int s = (j / H) * 2 * H + (j % H);
     if (t / (2 * H) == j / H && (t % (2 * H)) >= H) {
-      As[(sub * 16 + t) * pa + sub * 16 + s] = X::from_float(acc[e]);
+      As[SWZ ? sw128_off(sub * 16 + t, sub * 16 + s) : (sub * 16 + t) * pa + sub * 16 + s] = X::from_float(acc[e]);
     }
   }
 }
 
 // level_block for a run-time level (0..3: H = 8, 4, 2, 1), one compiled body per level.
-template <int DK, typename X>
+template <int DK, typename X, bool SWZ = false>
 __device__ __forceinline__ void level_block_at(uint16_t* As, int pa, const uint16_t* src, int pq, int sub, int level,
                                                int lane) {
   switch (level) {
-    case 0: level_block<DK, 8, X>(As, pa, src, pq, sub, lane); break;
-    case 1: level_block<DK, 4, X>(As, pa, src, pq, sub, lane); break;
-    case 2: level_block<DK, 2, X>(As, pa, src, pq, sub, lane); break;
-    default: level_block<DK, 1, X>(As, pa, src, pq, sub, lane); break;
+    case 0: level_block<DK, 8, X, SWZ>(As, pa, src, pq, sub, lane); break;
+    case 1: level_block<DK, 4, X, SWZ>(As, pa, src, pq, sub, lane); break;
+    case 2: level_block<DK, 2, X, SWZ>(As, pa, src, pq, sub, lane); break;
+    default: level_block<DK, 1, X, SWZ>(As, pa, src, pq, sub, lane); break;
   }
 }
 

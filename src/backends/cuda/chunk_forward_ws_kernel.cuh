@@ -58,28 +58,41 @@ __host__ __device__ constexpr int ws_dpart_stride(int halves) { return (16 / hal
 // (768 threads) have no room for it: their shared memory is full.
 __host__ __device__ constexpr bool ws_far_factor_table(int dk, int halves) { return dk == 128 && halves == 1; }
 // halves = 2 or 4: the split-item variants (two or four prep threads per element-wise item, 8 or 4
-// rows each).
-__host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
+// rows each). wg: the slots' qw, kw and A in the 128-byte-swizzled layout that wgmma reads
+// (sw128_off: 64 x DK and 64 x 64 tiles without padding, 1024-byte aligned), placed first; the
+// kernel checks that its shared-memory base is 1024-byte aligned.
+__host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1, bool wg = false) {
   WsSmem s{};
   s.pq = dk + 8;
   s.pv = dk + 8;
-  s.pa = kChunk + 8;
+  s.pa = wg ? kChunk : kChunk + 8;
   // The raw stage is only read row-wise (a warp reads 32 column pairs of one row, conflict-free at
   // any pitch), never by ldmatrix: no padding. That is what lets the split-item variant fit at DK = 128.
   s.pr = dk;
   const int tile = kChunk * s.pq * 2;
   const int raw = kChunk * s.pr * 2;
   int off = 0;
+  if (wg) {
+    s.s_qw = 0;
+    s.s_kw = kChunk * dk * 2;
+    s.s_a = 2 * kChunk * dk * 2;
+    s.s_dfac = s.s_a + kChunk * kChunk * 2;
+    s.slot0 = 0;
+    s.slot_step = (s.s_dfac + dk * 4 + 1023) & ~1023;
+    off = 2 * s.slot_step;
+  }
   s.q = off; off += raw;
   s.k = off; off += raw;
   s.g = off; off += per_head ? kChunk * 4 : raw;
   s.lvl0 = off; s.lvl_step = tile; off += 3 * tile;
   s.v0 = off; s.v_step = kChunk * s.pv * 2; off += 2 * s.v_step;
-  s.s_qw = 0;
-  s.s_kw = tile;
-  s.s_a = 2 * tile;
-  s.s_dfac = s.s_a + kChunk * s.pa * 2;
-  s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
+  if (!wg) {
+    s.s_qw = 0;
+    s.s_kw = tile;
+    s.s_a = 2 * tile;
+    s.s_dfac = s.s_a + kChunk * s.pa * 2;
+    s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
+  }
   s.tot = off; off += 4 * dk * 4;
   s.htot = off; off += halves > 1 ? 4 * halves * dk * 4 : 0;
   s.dpart = off; off += (2 * dk * halves / 32) * ws_dpart_stride(halves) * 4;
@@ -93,6 +106,10 @@ __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halv
   s.mbar = off; off += 4 * 8;
   s.total = off;
   return s;
+}
+// Dynamic shared memory to request.
+__host__ __device__ inline int ws_smem_bytes(int dk, bool per_head, int halves, bool wg) {
+  return ws_smem_layout(dk, per_head, halves, wg).total;
 }
 
 __device__ __forceinline__ void named_sync(int id, int count) {
@@ -253,6 +270,111 @@ __device__ __forceinline__ void write_level_split(uint16_t* base, int pq, int hf
 // Barrier ids (0 is __syncthreads).
 constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 
+// o^T (scaled) -> this warp's own columns of the v stage, as o rows (t) of 16 values.
+template <typename X>
+__device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t* vs, int pv, int vrow, int lane, float sc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // stmatrix .trans: the accumulator pairs (t, t+1) of value row v are an 8x8 b16 fragment of
+  // o^T; stored transposed, each 8x8 lands as 8 o rows (t) of 8 consecutive values. Four such
+  // matrices per instruction (nt, value half 0/1; nt + 1, half 0/1); lane l gives the address
+  // of row l % 8 of matrix l / 8. 4 instructions instead of 32 two-byte stores, bitwise the
+  // same values (the same round-to-nearest conversion, packed in pairs).
+  const int mi = lane >> 3, j = lane & 7;
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    const int nt = 2 * np + (mi >> 1), half = mi & 1;
+    const uint32_t dst = smem_addr(vs + (nt * 8 + j) * pv + vrow + half * 8);
+    const uint32_t r0 = X::pack(acc[2 * np][0] * sc, acc[2 * np][1] * sc);
+    const uint32_t r1 = X::pack(acc[2 * np][2] * sc, acc[2 * np][3] * sc);
+    const uint32_t r2 = X::pack(acc[2 * np + 1][0] * sc, acc[2 * np + 1][1] * sc);
+    const uint32_t r3 = X::pack(acc[2 * np + 1][2] * sc, acc[2 * np + 1][3] * sc);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+  }
+#else
+  const int fr = lane >> 2, fc = fc_of(lane);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int t = nt * 8 + fc;
+    const int vv = vrow + fr;
+    vs[t * pv + vv] = X::from_float(acc[nt][0] * sc);
+    vs[(t + 1) * pv + vv] = X::from_float(acc[nt][1] * sc);
+    vs[t * pv + vv + 8] = X::from_float(acc[nt][2] * sc);
+    vs[(t + 1) * pv + vv + 8] = X::from_float(acc[nt][3] * sc);
+  }
+#endif
+}
+
+// The state group's products on wgmma (ws-wgmma): o^T = V^T A^T + S^T qg^T and
+// S^T = S^T diag(2^{b_last}) + V^T kg for this warp group's 64 value rows. The registers are those of
+// the mma.sync path (acc: o^T's eight n8 tiles; S: S^T's DK/8), which are also wgmma's m64nN
+// accumulator fragments; the A operands are S^T rounded to 16 bits (two batches of four k-steps, so
+// that only 16 packed registers are live) and the V^T fragments. qg (rows t, K = k), A (rows t,
+// K = s) are K-major B operands, kg (rows s = K, k contiguous) N-major; all in sw128_off layout.
+template <int DK, typename X>
+__device__ __forceinline__ void wg_state_products(float (&acc)[8][4], float (&S)[DK / 8][4], uint32_t (&vf)[4][4],
+                                                  uint32_t qw_addr, uint32_t a_addr, uint32_t kw_addr,
+                                                  const float* dfac, uint16_t* vs, int pv, int vrow, int lane, float sc) {
+  static_assert(DK == 128, "ws-wgmma: DK = 128");
+  float* o = &acc[0][0];
+  float* st = &S[0][0];
+  // Registers: S^T (64) and o^T (32) stay; V^T (16) and the packed S^T batch (16) are never live
+  // together (ptxas serialises wgmma when its operands do not fit: C7512).
+  wg_pin<32>(o);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_n64_kmajor<X>(o, vf[kk], wg_desc(a_addr + kk * 32, 16, 1024));
+  wg_commit();
+  wg_wait_all();
+  wg_pin<32>(o);
+  wg_pin<16>(&vf[0][0]);
+  uint32_t P[4][4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int kk = half * 4 + j;
+      P[j][0] = X::pack(S[2 * kk][0], S[2 * kk][1]);
+      P[j][1] = X::pack(S[2 * kk][2], S[2 * kk][3]);
+      P[j][2] = X::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+      P[j][3] = X::pack(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_n64_kmajor<X>(o, P[j], wg_desc(qw_addr + half * 8192 + j * 32, 16, 1024));
+    wg_commit();
+    wg_wait_all();
+    wg_pin<32>(o);
+    wg_pin<16>(&P[0][0]);
+  }
+  const int fc = fc_of(lane);
+#pragma unroll
+  for (int j = 0; j < DK / 8; ++j) {
+    const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
+    S[j][0] *= d0;
+    S[j][1] *= d1;
+    S[j][2] *= d0;
+    S[j][3] *= d1;
+  }
+  // V^T again (cheaper than keeping 16 registers live), then o^T staged in this warp's columns of
+  // the v stage now, so that its 32 registers are free during the S^T product; __syncwarp orders
+  // the other lanes' ldmatrix reads of those columns before the stmatrix writes.
+  load_v_fragments(vf, vs, pv, vrow, lane);
+  __syncwarp();
+  stage_o_tile<X>(acc, vs, pv, vrow, lane, sc);
+  wg_pin<DK / 2>(st);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    wgmma_n128_nmajor<X>(st, vf[kk], wg_desc(kw_addr + kk * 2048, GLA_WG_KG_LBO, GLA_WG_KG_SBO));
+  }
+  wg_commit();
+  wg_wait_all();
+  wg_pin<DK / 2>(st);
+  wg_pin<16>(&vf[0][0]);
+}
+
 // RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk). 8 (split
 // items): two prep threads per item, each with 8 rows, exchanging their row totals through shared
 // memory; twice the prep warps for the same work, to cut the prep group's serial latency, which
@@ -263,7 +385,11 @@ constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 // code is exactly the one without it (a run-time flag cost the full pass 2-6%).
 // (Measured and dropped in session 4: pass 1 on deeper load rings, no change; A's level products
 // in the state group, 1-8% slower. bench/results/cuda_forward.md.)
-template <int DK, typename E, int RS = 16, int LOCAL = 0>
+// WG: the opt-in Hopper state group (GLA_CUDA_KERNEL=ws-wgmma, DK = 128, one thread per item, the
+// full pass): the three state products on wgmma (A operands from registers, qg / A / kg read from
+// shared memory once per warp group instead of once per warp, asynchronously), and the slots in
+// wgmma's swizzled layout. Off sm_90a the same instance runs the mma.sync code (kSwz false).
+template <int DK, typename E, int RS = 16, int LOCAL = 0, bool WG = false>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -277,7 +403,18 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   constexpr int kWarpsPerItemRow = DK / 64;  // warps per (sub-chunk, half): DK/2 column pairs
   constexpr int DPS = ws_dpart_stride(HALVES);
   constexpr bool kFarTable = ws_far_factor_table(DK, HALVES);
-  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr bool kSwz = WG && kArchWgmma && DK == 128 && RS == 16 && LOCAL == 0;
+  // The swizzled slots need a 1024-byte-aligned base. The dynamic shared memory of a kernel without
+  // static shared memory starts on such a boundary; kSwz checks it (a trap, not a wrong answer). A
+  // run-time aligned base pointer instead cost the prep group ~280 B of spills.
+  extern __shared__ __align__(16) unsigned char smem_ws[];
+  extern __shared__ __align__(1024) unsigned char smem_wg[];  // the same memory, declared aligned
+  unsigned char* const smem = kSwz ? smem_wg : smem_ws;
+  if constexpr (kSwz) {
+    if (smem_addr(smem) & 1023u) __trap();
+  }
+  // Element offsets in qw / kw (rows t, columns k) and in A (rows t, columns s).
+  auto qoff = [](int r, int c, int pitch) { return kSwz ? sw128_off(r, c) : r * pitch + c; };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #ifdef GLA_WS_PHASE_CLOCKS
@@ -308,7 +445,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
   const bool per_head = p.gate_per_head != 0;
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;  // 4 only with per_head here
-  const WsSmem L = ws_smem_layout(DK, per_head, HALVES);
+  const WsSmem L = ws_smem_layout(DK, per_head, HALVES, kSwz);
 
   // GLA_WS_MBARRIER=1 at compile time: READY/FREE as mbarriers instead of named barriers, for
   // compute-sanitizer's racecheck, which cannot check the named-barrier hand-off
@@ -327,6 +464,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     uint32_t* a = reinterpret_cast<uint32_t*>(smem + L.a(s));
     for (int i = tid; i < kChunk * L.pa / 2; i += NT) a[i] = 0u;
   }
+  if constexpr (kSwz) fence_proxy_async_smem();  // wgmma reads the zeros through the async proxy
   __syncthreads();
 
   const size_t esz = 2;
@@ -603,14 +741,14 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           f0 *= e0[r];
           f1 *= e1[r];
           const float2 q = X::to_float2(qv[r]);
-          *reinterpret_cast<uint32_t*>(qw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
+          *reinterpret_cast<uint32_t*>(qw + qoff(sub * 16 + row0 + r, k0, L.pq)) = X::pack(q.x * f0, q.y * f1);
         }
         f0 = fk0;
         f1 = fk1;
 #pragma unroll
         for (int r = RS - 1; r >= 0; --r) {
           const float2 k = X::to_float2(kv[r]);
-          *reinterpret_cast<uint32_t*>(kw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
+          *reinterpret_cast<uint32_t*>(kw + qoff(sub * 16 + row0 + r, k0, L.pq)) = X::pack(k.x * f0, k.y * f1);
           f0 *= e0[r];
           f1 *= e1[r];
         }
@@ -649,12 +787,12 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         // blocks and two levels, or six levels. (Round-robin gave two of 8 warps 4 units.)
         auto offdiag = [&](int task) {
           // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
-          offdiag_block<DK, X, kFarTable>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
+          offdiag_block<DK, X, kFarTable, kSwz>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
                                           (0x010210 >> (4 * task)) & 15, lane,
                                           reinterpret_cast<const float*>(smem + L.ofac));
         };
         auto level = [&](int task) {
-          level_block_at<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
+          level_block_at<DK, X, kSwz>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
                                 task % 3, lane);
         };
         constexpr int NW = NP / 32;
@@ -708,8 +846,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             sd += dpart[(wq + w) * DPS + lr];
             sp += dpart[(wq + w) * DPS + RS + (lr >> 1)];
           }
-          As[t * L.pa + t] = X::from_float(sd);
-          if (r & 1) As[t * L.pa + t - 1] = X::from_float(sp);
+          As[qoff(t, t, L.pa)] = X::from_float(sd);
+          if (r & 1) As[qoff(t, t - 1, L.pa)] = X::from_float(sp);
         }
       }
       GLA_PHASE(8);
@@ -738,17 +876,19 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         for (int r = 0; r < RS; ++r) {
           const int t = sub * 16 + row0 + r;
           if (full && sub > 0) {
-            uint32_t* qp = reinterpret_cast<uint32_t*>(qw + t * L.pq + k0);
+            uint32_t* qp = reinterpret_cast<uint32_t*>(qw + qoff(t, k0, L.pq));
             const float2 x = X::to_float2(*qp);
             *qp = X::pack(x.x * fq0, x.y * fq1);
           }
           if (sub < 3) {
-            uint32_t* kp = reinterpret_cast<uint32_t*>(kw + t * L.pq + k0);
+            uint32_t* kp = reinterpret_cast<uint32_t*>(kw + qoff(t, k0, L.pq));
             const float2 x = X::to_float2(*kp);
             *kp = X::pack(x.x * fk0, x.y * fk1);
           }
         }
       }
+      // wgmma (the ws-wgmma state group) reads the slot through the async proxy.
+      if constexpr (kSwz) fence_proxy_async_smem();
       // Publish the slot. Debug bit 128 (racecheck runs): bar.sync instead of bar.arrive, so the
       // state group's reads of slot s in chunk c are also ordered before the prep's writes of
       // chunk c+2 by READY[s^1] of chunk c+1 -- compute-sanitizer's racecheck does not model the
@@ -836,8 +976,13 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       float acc[8][4] = {};
       const bool state_math = !(p.debug_skip & 32);  // profiling: 32 = loads, hand-offs, stores only
       if (state_math) {
-        if (full) o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
-        state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
+        if constexpr (kSwz) {
+          wg_state_products<DK, X>(acc, S, vf, smem_addr(qw), smem_addr(As), smem_addr(kw), dfac, vs, L.pv, vrow, lane,
+                                   p.scale);
+        } else {
+          if (full) o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
+          state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
+        }
       }
       // Done with the slot.
       if (use_mbar) {
@@ -850,39 +995,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       if (!full) continue;
       // o^T -> this warp's own columns of the v stage (only this warp read them) -> global.
       const float sc = p.scale;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      // stmatrix .trans: the accumulator pairs (t, t+1) of value row v are an 8x8 b16 fragment of
-      // o^T; stored transposed, each 8x8 lands as 8 o rows (t) of 8 consecutive values. Four such
-      // matrices per instruction (nt, value half 0/1; nt + 1, half 0/1); lane l gives the address
-      // of row l % 8 of matrix l / 8. 4 instructions instead of 32 two-byte stores, bitwise the
-      // same values (the same round-to-nearest conversion, packed in pairs).
-      {
-        const int mi = lane >> 3, j = lane & 7;
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          const int nt = 2 * np + (mi >> 1), half = mi & 1;
-          const uint32_t dst = smem_addr(vs + (nt * 8 + j) * L.pv + vrow + half * 8);
-          const uint32_t r0 = X::pack(acc[2 * np][0] * sc, acc[2 * np][1] * sc);
-          const uint32_t r1 = X::pack(acc[2 * np][2] * sc, acc[2 * np][3] * sc);
-          const uint32_t r2 = X::pack(acc[2 * np + 1][0] * sc, acc[2 * np + 1][1] * sc);
-          const uint32_t r3 = X::pack(acc[2 * np + 1][2] * sc, acc[2 * np + 1][3] * sc);
-          asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(r0),
-                       "r"(r1), "r"(r2), "r"(r3)
-                       : "memory");
-        }
-      }
-#else
-      const int fr = lane >> 2, fc = fc_of(lane);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const int t = nt * 8 + fc;
-        const int vv = vrow + fr;
-        vs[t * L.pv + vv] = X::from_float(acc[nt][0] * sc);
-        vs[(t + 1) * L.pv + vv] = X::from_float(acc[nt][1] * sc);
-        vs[t * L.pv + vv + 8] = X::from_float(acc[nt][2] * sc);
-        vs[(t + 1) * L.pv + vv + 8] = X::from_float(acc[nt][3] * sc);
-      }
-#endif
+      if constexpr (!kSwz) stage_o_tile<X>(acc, vs, L.pv, vrow, lane, sc);  // (ws-wgmma: staged already)
       __syncwarp();
       const int64_t t0 = seq.bos + c * kChunk;
       char* ob = static_cast<char*>(p.o) + (seq.batch * p.o_stride[0] + t0 * p.o_stride[1] + h * p.o_stride[2] + v0 + vrow) * esz;

@@ -145,7 +145,7 @@ cuda::ForwardParams make_params(const gla_problem& p) {
     for (int i = 0; i < 3; ++i) vec = vec && p.g.strides[i] % 8 == 0;
   }
   f.vector_loads = vec ? 1 : 0;
-  // GLA_CUDA_KERNEL=mma-diag | plain | ws | ws-split | ws-split4: steer the planner's kernel choice (A/B
+  // GLA_CUDA_KERNEL=mma-diag | plain | ws | ws-split | ws-split4 | ws-wgmma: steer the planner's kernel choice (A/B
   // timing, fallback);
   // unset or "auto": the fastest kernel that serves the problem.
   static const int variant = [] {
@@ -155,6 +155,7 @@ cuda::ForwardParams make_params(const gla_problem& p) {
     if (v && std::strcmp(v, "ws-split") == 0) return 3;
     if (v && std::strcmp(v, "ws") == 0) return 4;
     if (v && std::strcmp(v, "ws-split4") == 0) return 5;
+    if (v && std::strcmp(v, "ws-wgmma") == 0) return 6;
     return 0;
   }();
   f.kernel_variant = variant;
@@ -249,7 +250,8 @@ class CudaBackend final : public Backend {
     if (!plan.use_chunk_kernel) {
       return "recurrent kernel (token loop in IEEE fp32 FMA: fp32 inputs, or K > 128)";
     }
-    std::string s = plan.kernel == 5   ? "warp-specialised chunk kernel with element-wise items split four ways (prep and state warp groups, tensor cores)"
+    std::string s = plan.kernel == 6   ? "warp-specialised chunk kernel with the wgmma state group (prep and state warp groups, tensor cores; opt-in)"
+                    : plan.kernel == 5 ? "warp-specialised chunk kernel with element-wise items split four ways (prep and state warp groups, tensor cores)"
                     : plan.kernel == 3 ? "warp-specialised chunk kernel with element-wise items split two ways (prep and state warp groups, tensor cores)"
                     : plan.kernel == 2 ? "warp-specialised chunk kernel (prep and state warp groups, tensor cores)"
                     : plan.kernel == 1 ? "chunk kernel with tensor-core diagonal blocks"

@@ -77,7 +77,7 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   // Kernel choice: the warp-specialised kernel needs cp.async rows and a 16-bit per-key gate or a
   // per-head gate (an fp32 per-key gate does not fit its shared memory); the others take anything.
   const bool ws_ok = p.vector_loads && (p.gate_per_head || gate_bytes == 2);
-  // Variants: 0 auto, 1 mma-diag, 2 plain, 3 ws-split, 4 ws, 5 ws-split4 (see
+  // Variants: 0 auto, 1 mma-diag, 2 plain, 3 ws-split, 4 ws, 5 ws-split4, 6 ws-wgmma (see
   // ForwardParams::kernel_variant).
   const int v = p.kernel_variant;
   plan.kernel = v == 2 ? 0 : ((v == 0 || v >= 3) && ws_ok ? 2 : 1);
@@ -88,6 +88,8 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   if (plan.kernel == 2 && plan.head_dim_k == 64 && (v == 0 || v == 3)) plan.kernel = 3;
   if (plan.kernel == 2 && v == 3) plan.kernel = 3;
   if (plan.kernel == 2 && plan.head_dim_k == 64 && v == 5) plan.kernel = 5;
+  // ws-wgmma (opt-in, not yet measured): the wgmma state group at K = 128; elsewhere as ws.
+  if (plan.kernel == 2 && plan.head_dim_k == 128 && v == 6) plan.kernel = 6;
   plan.value_tile = plan.kernel != 0 ? plan.head_dim_k : (plan.head_dim_k == 128 && p.V > 64 ? 128 : 64);
   plan.value_tiles = static_cast<int32_t>((p.V + plan.value_tile - 1) / plan.value_tile);
   const detail::ChunkSmem L =
