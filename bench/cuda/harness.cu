@@ -387,7 +387,7 @@ static int run_check() {
     fails += !ok;
     std::printf("%-4s %-6s %-28s o %.2e ht %.2e nonfinite %lld/%lld path %s seg %lld x %lld order %d\n", ok ? "ok" : "FAIL",
                 c.dtype == kBF16 ? "bf16" : c.dtype == kF16 ? "fp16" : "fp32", c.name.c_str(), eo, eh,
-                (long long)nf_o, (long long)nf_h, !P.plan.use_chunk_kernel ? "recurrent" : P.plan.kernel == 5 ? "chunk-ws-split4" : P.plan.kernel == 3 ? "chunk-ws-split" : P.plan.kernel == 2 ? "chunk-ws" : P.plan.kernel == 1 ? "chunk-mmadiag" : "chunk-plain",
+                (long long)nf_o, (long long)nf_h, !P.plan.use_chunk_kernel ? "recurrent" : P.plan.kernel == 6 ? "chunk-ws-wgmma" : P.plan.kernel == 5 ? "chunk-ws-split4" : P.plan.kernel == 3 ? "chunk-ws-split" : P.plan.kernel == 2 ? "chunk-ws" : P.plan.kernel == 1 ? "chunk-mmadiag" : "chunk-plain",
                 (long long)P.plan.max_segments, (long long)P.plan.segment_chunks, P.plan.block_order_count);
     // Determinism: a second run gives identical bytes.
     if (P.plan.use_chunk_kernel) {
