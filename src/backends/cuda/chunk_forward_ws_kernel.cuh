@@ -735,20 +735,32 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             tot[sub * DK + k0 + 1] = t1;
           }
         }
+        // ws-wgmma: rows sub * 16 + r of the swizzled qw / kw (row0 = 0 there), by address.
+        const uint32_t swq = kSwz ? smem_addr(qw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
+        const uint32_t swk = kSwz ? smem_addr(kw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
+        const uint32_t swc = static_cast<uint32_t>((k0 & 63) * 2);
         float f0 = fq0, f1 = fq1;
 #pragma unroll
         for (int r = 0; r < RS && full; ++r) {
           f0 *= e0[r];
           f1 *= e1[r];
           const float2 q = X::to_float2(qv[r]);
-          *reinterpret_cast<uint32_t*>(qw + qoff(sub * 16 + row0 + r, k0, L.pq)) = X::pack(q.x * f0, q.y * f1);
+          if constexpr (kSwz) {
+            sts_u32(sw128_row_addr(swq, swc, r), X::pack(q.x * f0, q.y * f1));
+          } else {
+            *reinterpret_cast<uint32_t*>(qw + qoff(sub * 16 + row0 + r, k0, L.pq)) = X::pack(q.x * f0, q.y * f1);
+          }
         }
         f0 = fk0;
         f1 = fk1;
 #pragma unroll
         for (int r = RS - 1; r >= 0; --r) {
           const float2 k = X::to_float2(kv[r]);
-          *reinterpret_cast<uint32_t*>(kw + qoff(sub * 16 + row0 + r, k0, L.pq)) = X::pack(k.x * f0, k.y * f1);
+          if constexpr (kSwz) {
+            sts_u32(sw128_row_addr(swk, swc, r), X::pack(k.x * f0, k.y * f1));
+          } else {
+            *reinterpret_cast<uint32_t*>(kw + qoff(sub * 16 + row0 + r, k0, L.pq)) = X::pack(k.x * f0, k.y * f1);
+          }
           f0 *= e0[r];
           f1 *= e1[r];
         }
@@ -872,18 +884,33 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
         const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
         const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
+        const uint32_t swq = kSwz ? smem_addr(qw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
+        const uint32_t swk = kSwz ? smem_addr(kw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
+        const uint32_t swc = static_cast<uint32_t>((k0 & 63) * 2);
 #pragma unroll
         for (int r = 0; r < RS; ++r) {
           const int t = sub * 16 + row0 + r;
           if (full && sub > 0) {
-            uint32_t* qp = reinterpret_cast<uint32_t*>(qw + qoff(t, k0, L.pq));
-            const float2 x = X::to_float2(*qp);
-            *qp = X::pack(x.x * fq0, x.y * fq1);
+            if constexpr (kSwz) {
+              const uint32_t a = sw128_row_addr(swq, swc, r);
+              const float2 x = X::to_float2(lds_u32(a));
+              sts_u32(a, X::pack(x.x * fq0, x.y * fq1));
+            } else {
+              uint32_t* qp = reinterpret_cast<uint32_t*>(qw + qoff(t, k0, L.pq));
+              const float2 x = X::to_float2(*qp);
+              *qp = X::pack(x.x * fq0, x.y * fq1);
+            }
           }
           if (sub < 3) {
-            uint32_t* kp = reinterpret_cast<uint32_t*>(kw + qoff(t, k0, L.pq));
-            const float2 x = X::to_float2(*kp);
-            *kp = X::pack(x.x * fk0, x.y * fk1);
+            if constexpr (kSwz) {
+              const uint32_t a = sw128_row_addr(swk, swc, r);
+              const float2 x = X::to_float2(lds_u32(a));
+              sts_u32(a, X::pack(x.x * fk0, x.y * fk1));
+            } else {
+              uint32_t* kp = reinterpret_cast<uint32_t*>(kw + qoff(t, k0, L.pq));
+              const float2 x = X::to_float2(*kp);
+              *kp = X::pack(x.x * fk0, x.y * fk1);
+            }
           }
         }
       }

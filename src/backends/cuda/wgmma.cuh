@@ -34,6 +34,26 @@ __host__ __device__ __forceinline__ int sw128_off(int r, int c) {
   return ((c >> 6) * 8192 + (b ^ (((b >> 7) & 7) << 4))) >> 1;
 }
 
+// A row's 32-bit pair in a swizzled tile, by shared-window address: base = tile address plus the
+// column block and the row group's offset, cb = the pair's byte column inside its 128-byte row
+// (0..124), r the row inside its 8-row group's multiple of 8 (only r & 7 enters the XOR). The XOR
+// and add sit in a volatile asm so that they stay in the chunk loop: hoisted, the 16 rows' offsets
+// of the ws-wgmma prep group's write and rescale phases were loop-invariant values that ptxas
+// spilled (~250 B per thread).
+__device__ __forceinline__ uint32_t sw128_row_addr(uint32_t base, uint32_t cb, int r) {
+  uint32_t a;
+  asm volatile("xor.b32 %0, %1, %2;\n\tadd.u32 %0, %0, %3;\n" : "=r"(a) : "r"(cb), "r"((r & 7) << 4), "r"(base));
+  return a + r * 128;
+}
+__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
 // Shared-memory matrix descriptor: start address, leading and stride byte offsets (16-byte units),
 // layout type 1 = 128-byte swizzle (bits 62-63).
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
