@@ -6,6 +6,7 @@
 
 #ifdef GLA_TESTS_WITH_CUDA
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -187,6 +188,45 @@ TEST(CudaPlan, UnevenSequencesLaunchLongestFirst) {
 
 }  // namespace
 }  // namespace gla::test
+
+// The 128-byte-swizzled tile layout of the ws-wgmma variant (cuda::detail::sw128_off; the
+// hardware side is checked on a GPU by bench/cuda/wgmma_probe.cu). The kernels rely on: a
+// bijection of a 64 x 128 tile onto its 8192 elements; eight columns from a multiple of 8 contiguous
+// (ldmatrix / stmatrix rows); the eight 16-byte chunks of a row in eight different chunk slots of
+// its 128-byte line (conflict-free row access); column blocks of 64 8 KB apart; and, read as
+// B[k = row][n = column], the N-major atom placement that GLA_WG_KG_LBO/SBO describe (8-row atoms
+// 1024 bytes apart along rows, column blocks 8192 apart).
+TEST(CudaLayout, Swizzled128ByteTile) {
+  using gla::cuda::detail::sw128_off;
+  std::vector<int> seen(64 * 128, 0);
+  for (int r = 0; r < 64; ++r) {
+    std::vector<int> slots;
+    for (int c = 0; c < 128; ++c) {
+      const int e = sw128_off(r, c);
+      ASSERT_GE(e, 0);
+      ASSERT_LT(e, 64 * 128);
+      ++seen[e];
+      if (c % 8 != 0) EXPECT_EQ(e, sw128_off(r, c - 1) + 1) << "row " << r << " col " << c;
+      if (c % 8 == 0 && c < 64) slots.push_back((e * 2 / 16) % 8);
+      EXPECT_EQ(e * 2 / 8192, c / 64);                        // column block
+      EXPECT_EQ((e * 2 % 8192) / 128, r) << "row's 128-byte line";
+      EXPECT_EQ((e * 2 % 8192) / 1024, r / 8) << "8-row atom";
+    }
+    std::sort(slots.begin(), slots.end());
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(slots[i], i) << "row " << r;
+  }
+  for (int e = 0; e < 64 * 128; ++e) ASSERT_EQ(seen[e], 1) << "element " << e;
+  // ldmatrix reads one 16-byte chunk column of 8 consecutive rows: the swizzle puts them in 8
+  // different chunk slots (unswizzled rows would all hit the same banks).
+  for (int r0 = 0; r0 < 64; r0 += 8) {
+    for (int j = 0; j < 16; ++j) {
+      std::vector<int> slots;
+      for (int r = r0; r < r0 + 8; ++r) slots.push_back((sw128_off(r, 8 * j) * 2 / 16) % 8);
+      std::sort(slots.begin(), slots.end());
+      for (int i = 0; i < 8; ++i) EXPECT_EQ(slots[i], i) << "rows " << r0 << ".." << r0 + 7 << ", chunk " << j;
+    }
+  }
+}
 
 #else
 

@@ -32,6 +32,15 @@ struct SegmentArgs {
   int32_t order[kMaxBlockOrder];
 };
 
+// Element offset of (row r, column c) of a 16-bit tile in the 128-byte-swizzled layout: columns in
+// blocks of 64 (128-byte rows), blocks 64 rows x 128 B = 8 KB apart; inside a block the 16-byte
+// chunk index of row r is XORed with r % 8 (the tile base must be 1024-byte aligned). Rows of 8
+// consecutive columns starting at a multiple of 8 stay contiguous (ldmatrix/stmatrix rows).
+GLA_HD inline int sw128_off(int r, int c) {
+  const int b = r * 128 + (c & 63) * 2;
+  return ((c >> 6) * 8192 + (b ^ (((b >> 7) & 7) << 4))) >> 1;
+}
+
 // Shared-memory layout (bytes), computed identically on host and device.
 struct ChunkSmem {
   int pq, pv, pa, pg;  // pitches in elements

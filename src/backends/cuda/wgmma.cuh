@@ -1,6 +1,7 @@
 // wgmma (sm_90a) building blocks for the warp-specialised kernel's opt-in Hopper state group
-// (GLA_CUDA_KERNEL=ws-wgmma): the 128-byte-swizzled tile layout that wgmma's descriptors read,
-// descriptors, fences, and the two product shapes the state group needs, with A from registers:
+// (GLA_CUDA_KERNEL=ws-wgmma): row addresses in the 128-byte-swizzled tile layout that wgmma's
+// descriptors read (the layout itself, sw128_off, is host-safe in chunk_layout.hpp), descriptors,
+// fences, and the two product shapes the state group needs, with A from registers:
 //   m64n64k16,  B K-major (imm-trans-b 0): o^T += S^T qg^T and o^T += V^T A^T
 //   m64n128k16, B N-major (imm-trans-b 1): S^T += V^T kg
 // The layout and descriptor fields are checked by bench/cuda/wgmma_probe.cu (device_run step
@@ -24,15 +25,6 @@ constexpr bool kArchWgmma = true;
 #else
 constexpr bool kArchWgmma = false;
 #endif
-
-// Element offset of (row r, column c) of a 16-bit tile in the 128-byte-swizzled layout: columns in
-// blocks of 64 (128-byte rows), blocks 64 rows x 128 B = 8 KB apart; inside a block the 16-byte
-// chunk index of row r is XORed with r % 8 (the tile base must be 1024-byte aligned). Rows of 8
-// consecutive columns starting at a multiple of 8 stay contiguous (ldmatrix/stmatrix rows).
-__host__ __device__ __forceinline__ int sw128_off(int r, int c) {
-  const int b = r * 128 + (c & 63) * 2;
-  return ((c >> 6) * 8192 + (b ^ (((b >> 7) & 7) << 4))) >> 1;
-}
 
 // A row's 32-bit pair in a swizzled tile, by shared-window address: base = tile address plus the
 // column block and the row group's offset, cb = the pair's byte column inside its 128-byte row
