@@ -53,21 +53,17 @@ template <int DK, typename E, int RS = 16, bool WG = false>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
   const bool per_head = p.gate_per_head != 0;
-  const int smem_bytes = WG ? std::max(ws_smem_bytes(DK, per_head, 16 / RS, true), ws_smem_bytes(DK, per_head, 16 / RS, false))
-                            : ws_smem_bytes(DK, per_head, 16 / RS, false);
-  struct Sized {
-    int total;
-  } L{smem_bytes};
+  const int smem_bytes = std::max(ws_smem_layout(DK, per_head, 16 / RS, WG).total, ws_smem_layout(DK, per_head, 16 / RS).total);
   auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, WG>;
   auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;  // pass 1 of a segment split
   static int raised = 0;
-  if (raised < L.total) {
+  if (raised < smem_bytes) {
     cudaError_t err = cudaSuccess;
     for (auto k : {kernel, local_kernel}) {
-      if (err == cudaSuccess) err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
+      if (err == cudaSuccess) err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     }
     if (err != cudaSuccess) return err;
-    raised = L.total;
+    raised = smem_bytes;
   }
   SegmentArgs sa{};
   sa.segment_chunks = plan.segment_chunks;
@@ -80,7 +76,7 @@ cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* 
     sa.seg_decay = sa.seg_states + states;
     // Pass 1 (the segments' local states) on the same kernel: k, g, v and the state update only.
     sa.pass = 1;
-    local_kernel<<<grid, kThreads, L.total, stream>>>(p, sa);
+    local_kernel<<<grid, kThreads, smem_bytes, stream>>>(p, sa);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -91,10 +87,10 @@ cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* 
     sa.order_count = plan.block_order_count;
     for (int i = 0; i < plan.block_order_count; ++i) sa.order[i] = plan.block_order[i];
     const dim3 ordered_grid(static_cast<unsigned>(p.H * plan.value_tiles), static_cast<unsigned>(plan.block_order_count));
-    kernel<<<ordered_grid, kThreads, L.total, stream>>>(p, sa);
+    kernel<<<ordered_grid, kThreads, smem_bytes, stream>>>(p, sa);
     return cudaGetLastError();
   }
-  kernel<<<grid, kThreads, L.total, stream>>>(p, sa);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(p, sa);
   return cudaGetLastError();
 }
 

@@ -385,11 +385,10 @@ __device__ __forceinline__ void o_tile(float (&acc)[8][4], const float (&S)[DK /
   }
 }
 
-// S^T = S^T diag(2^{b_last}) + V^T kg.
-template <int DK, typename X>
-__device__ __forceinline__ void state_update(float (&S)[DK / 8][4], const uint32_t (&vf)[4][4], const uint16_t* kw,
-                                             int pq, const float* dfac, int lane) {
-  const int mi = lane >> 3, fc = fc_of(lane);
+// S^T = S^T diag(2^{b_last}): the chunk's decay, per key column, on the accumulator fragments.
+template <int DK>
+__device__ __forceinline__ void decay_state(float (&S)[DK / 8][4], const float* dfac, int lane) {
+  const int fc = fc_of(lane);
 #pragma unroll
   for (int j = 0; j < DK / 8; ++j) {
     const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
@@ -398,6 +397,14 @@ __device__ __forceinline__ void state_update(float (&S)[DK / 8][4], const uint32
     S[j][2] *= d0;
     S[j][3] *= d1;
   }
+}
+
+// S^T = S^T diag(2^{b_last}) + V^T kg.
+template <int DK, typename X>
+__device__ __forceinline__ void state_update(float (&S)[DK / 8][4], const uint32_t (&vf)[4][4], const uint16_t* kw,
+                                             int pq, const float* dfac, int lane) {
+  const int mi = lane >> 3;
+  decay_state<DK>(S, dfac, lane);
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll

@@ -107,10 +107,6 @@ __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halv
   s.total = off;
   return s;
 }
-// Dynamic shared memory to request.
-__host__ __device__ inline int ws_smem_bytes(int dk, bool per_head, int halves, bool wg) {
-  return ws_smem_layout(dk, per_head, halves, wg).total;
-}
 
 __device__ __forceinline__ void named_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
@@ -348,15 +344,7 @@ __device__ __forceinline__ void wg_state_products(float (&acc)[8][4], float (&S)
     wg_pin<32>(o);
     wg_pin<16>(&P[0][0]);
   }
-  const int fc = fc_of(lane);
-#pragma unroll
-  for (int j = 0; j < DK / 8; ++j) {
-    const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
-    S[j][0] *= d0;
-    S[j][1] *= d1;
-    S[j][2] *= d0;
-    S[j][3] *= d1;
-  }
+  decay_state<DK>(S, dfac, lane);
   // V^T again (cheaper than keeping 16 registers live), then o^T staged in this warp's columns of
   // the v stage now, so that its 32 registers are free during the S^T product; __syncwarp orders
   // the other lanes' ldmatrix reads of those columns before the stmatrix writes.
