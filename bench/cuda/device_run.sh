@@ -7,7 +7,9 @@
 #     bench/cuda/harness.cu src/backends/cuda/forward.cu src/backends/cuda/plan.cpp src/backends/cuda/chunk_forward_d64.cu \
 #     src/backends/cuda/chunk_forward_d128.cu
 #   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o build-cuda/handoff bench/cuda/handoff_racecheck.cu
-#   (the harness again with -DGLA_WS_MBARRIER=1 -o build-cuda/harness_mbar: mbarrier hand-off, for racecheck)
+#   (the harness again with -DGLA_WS_MBARRIER=0 -o build-cuda/harness_named: the named-barrier hand-off)
+#   (and the hand-off mutants for step `racemut`: -DGLA_WS_TEST_EARLY_RELEASE=1 -o harness_early1,
+#    =2 -o harness_early2, -DGLA_WS_TEST_STATE_DELAY=20000 -o harness_delay, both -o harness_early1_delay)
 #   (and with -DGLA_WS_PHASE_CLOCKS -o build-cuda/harness_clk: per-warp phase clocks, step `clocks`)
 # A device call returns at most 8 files from $OUT: the logs go to $OUT/logs/ and come back as one
 # $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/
@@ -35,12 +37,11 @@ for step in "$@"; do
       rm -f "$LOG/ws.ncu-rep" ;;
     sanitize) export GLA_CHECK_SMALL=1
       timeout 240 compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$LOG/memcheck.log"
-      # racecheck does not model bar.arrive's release: the warp-specialised kernel runs its READY
-      # hand-off as bar.sync here (GLA_CUDA_SKIP=128; chunk_forward_ws_kernel.cuh says why).
-      GLA_CUDA_SKIP=128 timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$LOG/racecheck.log"
+      # the shipped kernels as built (mbarrier hand-off); the whole report is kept for the warnings
+      timeout 240 compute-sanitizer --tool racecheck --print-limit 400 ./build-cuda/harness check > "$LOG/racecheck_full.log" 2>&1; tail -3 "$LOG/racecheck_full.log" | tee "$LOG/racecheck.log"
+      grep -E "^========= (Warning|Error)" "$LOG/racecheck_full.log" | sed -E 's/0x[0-9a-f]+//g' | sort | uniq -c | sort -rn | head -12
       GLA_CUDA_KERNEL=mma-diag timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -3 | tee "$LOG/racecheck_mma_diag.log"
-      # the same kernels with the mbarrier hand-off (which racecheck does model), where carried
-      [ -x build-cuda/harness_mbar ] && timeout 150 compute-sanitizer --tool racecheck ./build-cuda/harness_mbar check 2>&1 | tail -3 | tee "$LOG/racecheck_mbar.log"
+      timeout 240 compute-sanitizer --tool synccheck ./build-cuda/harness check 2>&1 | tail -3 | tee "$LOG/synccheck.log"
       unset GLA_CHECK_SMALL ;;
     gtest) LD_LIBRARY_PATH=build-cuda ./build-cuda/tests/cpp/gla_tests --gtest_filter='*Cuda*' 2>&1 | tee "$LOG/gtest.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |FAILED|Failure|error" | head -40 ;;
     fla) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -61,7 +62,7 @@ for step in "$@"; do
       ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$LOG/bench_mma_diag.log"
       unset GLA_CUDA_KERNEL ;;
     first) ./build-cuda/harness first 2>&1 | tee "$LOG/first.log" ;;
-    split) # the split-item warp-specialised kernel at K <= 64 (GLA_CUDA_KERNEL=ws-split; not yet run on a GPU)
+    split) # the split-item warp-specialised kernel at K <= 64 (GLA_CUDA_KERNEL=ws-split)
       GLA_CUDA_KERNEL=ws-split timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_split.log" | grep -v "^ok "
       grep -c "chunk-ws-split" "$LOG/check_split.log"
       for v in ws-split auto; do GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 4x8192x32x64 8x4096x16x64; done 2>&1 | tee "$LOG/bench_split.log" ;;
@@ -87,13 +88,17 @@ for step in "$@"; do
     checkvar) # correctness of the opt-in variants (the default is the check step)
       for v in ws ws-split mma-diag ws-wgmma; do GLA_CUDA_KERNEL=$v timeout 150 ./build-cuda/harness check 2>&1 | tail -1 | sed "s/^/$v: /"; done 2>&1 | tee "$LOG/check_variants.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
-      for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log"
-      # the kernel with the mbarrier hand-off: correctness, speed, racecheck
-      if [ -x build-cuda/harness_mbar ]; then
-        ./build-cuda/harness_mbar check 2>&1 | tee "$LOG/check_mbar.log" | tail -1
-        ./build-cuda/harness_mbar bench 8x4096x16x128 4x8192x32x64 2>&1 | tee "$LOG/bench_mbar.log"
-        GLA_CHECK_SMALL=1 timeout 150 compute-sanitizer --tool racecheck ./build-cuda/harness_mbar check 2>&1 | tail -2 | tee "$LOG/racecheck_mbar.log"
-      fi ;;
+      for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log" ;;
+    racebin) # racecheck on the small grid for each build in RC_BINS (e.g. A/B builds of the hand-off)
+      for b in ${RC_BINS:-harness}; do echo "== $b"; GLA_CHECK_SMALL=1 timeout 200 compute-sanitizer --tool racecheck ./build-cuda/$b check 2>&1 | tail -3; done 2>&1 | tee "$LOG/racecheck_bins.log" ;;
+    racemut) # racecheck must report the two deliberately early releases (harness_early1: FREE before the
+      # state products; harness_early2: READY before the prep's rescale; -DGLA_WS_TEST_EARLY_RELEASE=1/2)
+      for b in harness_early1 harness_early2; do echo "== $b"; GLA_CHECK_SMALL=1 timeout 150 compute-sanitizer --tool racecheck ./build-cuda/$b check 2>&1 | grep -E "^check:|SUMMARY|^bad|FAIL" | tail -4; done 2>&1 | tee "$LOG/racecheck_mutants.log"
+      # racecheck does not report harness_early1; the FREE direction is tested by a slow state group
+      # (-DGLA_WS_TEST_STATE_DELAY): the correct hand-off must pass, the early FREE must fail
+      for b in harness_delay harness_early1_delay; do [ -x build-cuda/$b ] && { echo "== $b"; timeout 200 ./build-cuda/$b check 2>&1 | grep -E "^check:|FAIL" | tail -4; }; done 2>&1 | tee "$LOG/free_delay.log" ;;
+    wgbench) # the opt-in ws-wgmma state group against the default, interleaved, at K = 128
+      for r in 1 2; do for v in auto ws-wgmma; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench ${WG_SHAPES:-8x4096x16x128 1x32768x16x128}; done; done 2>&1 | tee "$LOG/bench_wgmma.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -138,12 +138,34 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
   } while (0)
 #endif
 
+// The READY/FREE hand-off between the two warp groups: mbarriers (1, the default) or named
+// barriers (0, bar.arrive / bar.sync; a measurement build). Session 6, H200, interleaved A/B: the
+// mbarriers are 1% faster at B8 T4096 H16 D128 and 4% slower at B4 T8192 H32 D64; they are the
+// default because compute-sanitizer's racecheck models them and the hand-off is then checked on
+// the shipped kernel (racecheck does not model bar.arrive's release and reports the named-barrier
+// hand-off as hazards). One arrival per thread: arriving once per warp after __syncwarp is as
+// fast, but racecheck does not carry the warp's accesses through lane 0's arrival (840 errors).
 #ifndef GLA_WS_MBARRIER
-#define GLA_WS_MBARRIER 0
+#define GLA_WS_MBARRIER 1
 #endif
 
-// mbarrier hand-off (GLA_WS_MBARRIER, see the kernel): arrive by every thread of the group, wait on
-// the phase parity. Use k of slot s (chunk c, k = (c - c_begin) / 2) completes phase k.
+// Sanitizer validation builds only (never set for the library): 1 = the state group frees a slot
+// before its products read it, 2 = the prep group publishes a slot before its rescale phase writes
+// it. Both are real races, which racecheck must report on these builds (device_run.sh `racemut`);
+// that is what shows the tool checks this hand-off at all.
+#ifndef GLA_WS_TEST_EARLY_RELEASE
+#define GLA_WS_TEST_EARLY_RELEASE 0
+#endif
+// Validation builds only: the state group idles this many cycles before its products, so that the
+// prep group runs ahead and waits at FREE. At normal speed the prep group is the slower one and
+// never reaches a slot the state group still reads, so only this build exercises FREE (racecheck
+// does not report a missing FREE; harness_early1 with the delay must then fail the check).
+#ifndef GLA_WS_TEST_STATE_DELAY
+#define GLA_WS_TEST_STATE_DELAY 0
+#endif
+
+// mbarrier hand-off: arrive by every thread of the group, wait on the phase parity. Use k of slot
+// s (chunk c, k = (c - c_begin) / 2) completes phase k.
 __device__ __forceinline__ void mbar_init(void* b, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(b)), "r"(count) : "memory");
 }
@@ -435,10 +457,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;  // 4 only with per_head here
   const WsSmem L = ws_smem_layout(DK, per_head, HALVES, kSwz);
 
-  // GLA_WS_MBARRIER=1 at compile time: READY/FREE as mbarriers instead of named barriers, for
-  // compute-sanitizer's racecheck, which cannot check the named-barrier hand-off
-  // (bench/cuda/handoff_racecheck.cu). A separate build (build-cuda/harness_mbar), so the
-  // library's kernel is exactly the measured one.
+  // READY[s] / FREE[s] as mbarriers (GLA_WS_MBARRIER, above): READY counts the prep group's
+  // threads, FREE the state group's.
   constexpr bool use_mbar = GLA_WS_MBARRIER != 0;
   unsigned char* mbars = smem + L.mbar;  // READY[0], READY[1], FREE[0], FREE[1]
   if (use_mbar && tid == 0) {
@@ -853,6 +873,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       GLA_PHASE(8);
       named_sync(kBarPrep, NP);  // A done; qloc/kloc no longer read as such
       GLA_PHASE(9);
+      if (GLA_WS_TEST_EARLY_RELEASE == 2 && use_mbar) mbar_arrive(mbars + 8 * slot);
 
       // ---- qg = qloc 2^{Pre}, kg = kloc 2^{Post}; the chunk's decay 2^{b_last} ----
       if (prep_math) {
@@ -904,17 +925,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       }
       // wgmma (the ws-wgmma state group) reads the slot through the async proxy.
       if constexpr (kSwz) fence_proxy_async_smem();
-      // Publish the slot. Debug bit 128 (racecheck runs): bar.sync instead of bar.arrive, so the
-      // state group's reads of slot s in chunk c are also ordered before the prep's writes of
-      // chunk c+2 by READY[s^1] of chunk c+1 -- compute-sanitizer's racecheck does not model the
-      // release that bar.arrive carries (PTX ISA, barrier: "sync, red or arrive ... guarantees that
-      // when the barrier completes, prior memory accesses requested by this thread are performed
-      // relative to all threads participating in the barrier") and reports the arrive/sync
-      // hand-off itself as hazards.
+      // Publish the slot: each thread's arrival releases its own writes to the state group's wait
+      // (with named barriers, bar.arrive carries the same release; PTX ISA, "barrier").
       if (use_mbar) {
-        mbar_arrive(mbars + 8 * slot);
-      } else if (p.debug_skip & 128) {
-        named_sync(kBarReady0 + slot, NT);
+        if (GLA_WS_TEST_EARLY_RELEASE != 2) mbar_arrive(mbars + 8 * slot);
       } else {
         named_arrive(kBarReady0 + slot, NT);
       }
@@ -990,6 +1004,12 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       GLA_PHASE(3);
       float acc[8][4] = {};
       const bool state_math = !(p.debug_skip & 32);  // profiling: 32 = loads, hand-offs, stores only
+      if (GLA_WS_TEST_EARLY_RELEASE == 1 && use_mbar) mbar_arrive(mbars + 16 + 8 * slot);
+      if constexpr (GLA_WS_TEST_STATE_DELAY > 0) {
+        const long long t0 = clock64();
+        while (clock64() - t0 < GLA_WS_TEST_STATE_DELAY) {
+        }
+      }
       if (state_math) {
         if constexpr (kSwz) {
           wg_state_products<DK, X>(acc, S, vf, smem_addr(qw), smem_addr(As), smem_addr(kw), dfac, vs, L.pv, vrow, lane,
@@ -1001,7 +1021,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       }
       // Done with the slot.
       if (use_mbar) {
-        mbar_arrive(mbars + 16 + 8 * slot);
+        if (GLA_WS_TEST_EARLY_RELEASE != 1) mbar_arrive(mbars + 16 + 8 * slot);
       } else {
         named_arrive(kBarFree0 + slot, NT);
       }
