@@ -57,19 +57,6 @@ __host__ __device__ constexpr int ws_dpart_stride(int halves) { return (16 / hal
 // items) 0.365 -> 0.377 ms and B32 T1024 H16 D128 0.437 -> 0.454 ms. Split items at DK = 128
 // (768 threads) have no room for it: their shared memory is full.
 __host__ __device__ constexpr bool ws_far_factor_table(int dk, int halves) { return dk == 128 && halves == 1; }
-// State-group rescale (GLA_WS_STATE_RESCALE, A/B build): the prep group publishes qloc / kloc as
-// the A phase left them plus the four sub-chunk decays e_l = 2^{Tot_l} per key column, and the
-// state group applies the factors inside its products (1: kg only, 2: qg and kg), taking the
-// rescale phase off the prep group, the critical path at B8. Not with the wgmma slots, and not
-// at DK = 128 with split items. The factors: e_0 in the slot's decay table, e_1..e_3 in the 16-byte
-// row padding of its qw and kw tiles (ws_efac; at DK = 128 one thread per item, 288 bytes short of
-// a separate table).
-#ifndef GLA_WS_STATE_RESCALE
-#define GLA_WS_STATE_RESCALE 0
-#endif
-__host__ __device__ constexpr int ws_state_rescale(int dk, int halves, bool wg) {
-  return (!wg && (dk == 64 || halves == 1)) ? GLA_WS_STATE_RESCALE : 0;
-}
 // halves = 2 or 4: the split-item variants (two or four prep threads per element-wise item, 8 or 4
 // rows each). wg: the slots' qw, kw and A in the 128-byte-swizzled layout that wgmma reads
 // (sw128_off: 64 x DK and 64 x 64 tiles without padding, 1024-byte aligned), placed first; the
@@ -301,101 +288,6 @@ __device__ __forceinline__ void write_level_split(uint16_t* base, int pq, int hf
 // Barrier ids (0 is __syncthreads).
 constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 
-// The state-group rescale's products (ws_state_rescale): efac[l * DK + k] = e_l = 2^{Tot_l}, the
-// decay of sub-chunk l for key column k. The slot holds qloc (2^{c_t} from its sub-chunk's start)
-// and kloc (2^{Tot_l - c_t} to its sub-chunk's end).
-// o^T = sum over sub-chunks l of (S^T diag(F_l)) qloc_l^T + V^T A^T, with F_l = e_0 ... e_{l-1}:
-// the factor goes on S^T (the A operand, rounded to 16 bits after the product) per 16-token block.
-// e_l of key column k in a slot (state-group rescale): e_0 in the decay table, e_1..e_3 in the
-// padding at the end of the qw / kw rows (128 rows of pitch pq; k even gives an aligned pair).
-template <int DK>
-__device__ __forceinline__ const float* ws_efac(const float* dfac, const uint16_t* qw, int pq, int l, int k) {
-  if (l == 0) return dfac + k;
-  const int i = (l - 1) * DK + k;
-  return reinterpret_cast<const float*>(qw + (i >> 2) * pq + DK) + (i & 3);
-}
-template <int DK>
-__device__ __forceinline__ float* ws_efac(float* dfac, uint16_t* qw, int pq, int l, int k) {
-  return const_cast<float*>(ws_efac<DK>(static_cast<const float*>(dfac), static_cast<const uint16_t*>(qw), pq, l, k));
-}
-static_assert(3 * 128 / 4 <= 2 * kChunk, "e_1..e_3 fit in the qw and kw row padding");
-// A shared-memory float pair read where it stands in the code (volatile): the compiler otherwise
-// hoists all of o_tile_rescaled's factor reads to the top, and the state group spills.
-__device__ __forceinline__ float2 lds_f2_here(const float* p) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr(p)) : "memory");
-  return v;
-}
-template <int DK, typename X>
-__device__ __forceinline__ void o_tile_rescaled(float (&acc)[8][4], const float (&S)[DK / 8][4], const uint32_t (&vf)[4][4],
-                                                const uint16_t* qw, int pq, const uint16_t* As, int pa,
-                                                const float* dfac, int lane) {
-  const int mi = lane >> 3, fc = fc_of(lane);
-  const int nrow = (lane & 7) + (mi >> 1) * 8, ncol = (mi & 1) * 8;
-#pragma unroll
-  for (int kk = 0; kk < DK / 16; ++kk) {
-    float f0 = 1.f, f1 = 1.f, f8 = 1.f, f9 = 1.f;  // F_l of columns kk*16 + fc + {0, 1, 8, 9}
-#pragma unroll
-    for (int nt2 = 0; nt2 < 4; ++nt2) {
-      if (nt2 > 0) {
-        const float2 e01 = lds_f2_here(ws_efac<DK>(dfac, qw, pq, nt2 - 1, kk * 16 + fc));
-        const float2 e89 = lds_f2_here(ws_efac<DK>(dfac, qw, pq, nt2 - 1, kk * 16 + 8 + fc));
-        f0 *= e01.x;
-        f1 *= e01.y;
-        f8 *= e89.x;
-        f9 *= e89.y;
-      }
-      uint32_t a[4];
-      a[0] = X::pack(S[2 * kk][0] * f0, S[2 * kk][1] * f1);
-      a[1] = X::pack(S[2 * kk][2] * f0, S[2 * kk][3] * f1);
-      a[2] = X::pack(S[2 * kk + 1][0] * f8, S[2 * kk + 1][1] * f9);
-      a[3] = X::pack(S[2 * kk + 1][2] * f8, S[2 * kk + 1][3] * f9);
-      uint32_t b[4];
-      ldsm_x4(b, qw + (nt2 * 16 + nrow) * pq + kk * 16 + ncol);
-      X::mma(acc[2 * nt2], a, b[0], b[1]);
-      X::mma(acc[2 * nt2 + 1], a, b[2], b[3]);
-    }
-  }
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-    for (int nt2 = 0; nt2 < 4; ++nt2) {
-      if (kk > nt2) continue;  // A is zero above the diagonal
-      uint32_t b[4];
-      ldsm_x4(b, As + (nt2 * 16 + nrow) * pa + kk * 16 + ncol);
-      X::mma(acc[2 * nt2], vf[kk], b[0], b[1]);
-      X::mma(acc[2 * nt2 + 1], vf[kk], b[2], b[3]);
-    }
-  }
-}
-
-// S^T <- S^T diag(2^{b_last}) + V^T kg as Horner over the sub-chunks: S^T <- S^T diag(e_l) + V_l^T
-// kloc_l for l = 0..3 (kg_l = kloc_l e_{l+1} ... e_3 and 2^{b_last} = e_0 ... e_3).
-template <int DK, typename X>
-__device__ __forceinline__ void state_update_rescaled(float (&S)[DK / 8][4], const uint32_t (&vf)[4][4],
-                                                      const uint16_t* qw, const uint16_t* kw, int pq, const float* dfac,
-                                                      int lane) {
-  const int mi = lane >> 3, fc = fc_of(lane);
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-    for (int j = 0; j < DK / 8; ++j) {
-      const float2 e = *reinterpret_cast<const float2*>(ws_efac<DK>(dfac, qw, pq, kk, j * 8 + fc));
-      S[j][0] *= e.x;
-      S[j][1] *= e.y;
-      S[j][2] *= e.x;
-      S[j][3] *= e.y;
-    }
-#pragma unroll
-    for (int nt2 = 0; nt2 < DK / 16; ++nt2) {
-      uint32_t b[4];
-      ldsm_x4_trans(b, kw + (kk * 16 + (lane & 7) + (mi & 1) * 8) * pq + nt2 * 16 + (mi >> 1) * 8);
-      X::mma(S[2 * nt2], vf[kk], b[0], b[1]);
-      X::mma(S[2 * nt2 + 1], vf[kk], b[2], b[3]);
-    }
-  }
-}
-
 // o^T (scaled) -> this warp's own columns of the v stage, as o rows (t) of 16 values.
 template <typename X>
 __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t* vs, int pv, int vrow, int lane, float sc) {
@@ -502,7 +394,8 @@ __device__ __forceinline__ void wg_state_products(float (&acc)[8][4], float (&S)
 // LOCAL: 0 the full pass; 1 pass 1 of a segment split, a separate instance so that the full pass's
 // code is exactly the one without it (a run-time flag cost the full pass 2-6%).
 // (Measured and dropped in session 4: pass 1 on deeper load rings, no change; A's level products
-// in the state group, 1-8% slower. bench/results/cuda_forward.md.)
+// in the state group, 1-8% slower. Session 6: the qg/kg rescale in the state group, 4-8% slower
+// for kg alone, 25% for both (commit 66426c3). bench/results/cuda_forward.md.)
 // WG: the opt-in Hopper state group (GLA_CUDA_KERNEL=ws-wgmma, DK = 128, one thread per item, the
 // full pass): the three state products on wgmma (A operands from registers, qg / A / kg read from
 // shared memory once per warp group instead of once per warp, asynchronously), and the slots in
@@ -522,8 +415,6 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   constexpr int DPS = ws_dpart_stride(HALVES);
   constexpr bool kFarTable = ws_far_factor_table(DK, HALVES);
   constexpr bool kSwz = WG && kArchWgmma && DK == 128 && RS == 16 && LOCAL == 0;
-  // 0: the prep group scales qg, kg in place; 1: the state group applies kg's factors; 2: qg's too
-  constexpr int kStateRescale = ws_state_rescale(DK, HALVES, kSwz);
   // The swizzled slots need a 1024-byte-aligned base. The dynamic shared memory of a kernel without
   // static shared memory starts on such a boundary; kSwz checks it (a trap, not a wrong answer). A
   // run-time aligned base pointer instead cost the prep group ~280 B of spills.
@@ -981,9 +872,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
       }
       GLA_PHASE(8);
-      // A done; qloc/kloc no longer read as such. Without the in-place rescale nothing below
-      // writes what another warp's A task reads (the next chunk's first barrier orders the rest).
-      if constexpr (kStateRescale < 2) named_sync(kBarPrep, NP);
+      named_sync(kBarPrep, NP);  // A done; qloc/kloc no longer read as such
       GLA_PHASE(9);
       if (GLA_WS_TEST_EARLY_RELEASE == 2 && use_mbar) mbar_arrive(mbars + 8 * slot);
 
@@ -998,20 +887,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
         if (sub == 0 && hf == 0) {
           const float d0 = post0 + tot[k0], d1 = post1 + tot[k0 + 1];
-          if constexpr (kStateRescale == 0) {
-            dfac[k0] = fast_exp2(d0);
-            dfac[k0 + 1] = fast_exp2(d1);
-          }
+          dfac[k0] = fast_exp2(d0);
+          dfac[k0 + 1] = fast_exp2(d1);
           dsum0 += d0;
           dsum1 += d1;
-        }
-        if constexpr (kStateRescale != 0) {
-          // e_sub of this thread's two columns, for the state group (ws_efac)
-          if (hf == 0) {
-            float* e = ws_efac<DK>(dfac, qw, L.pq, sub, k0);
-            e[0] = fast_exp2(tot[sub * DK + k0]);
-            e[1] = fast_exp2(tot[sub * DK + k0 + 1]);
-          }
         }
         const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
         const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
@@ -1021,7 +900,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 #pragma unroll
         for (int r = 0; r < RS; ++r) {
           const int t = sub * 16 + row0 + r;
-          if (full && sub > 0 && kStateRescale < 2) {
+          if (full && sub > 0) {
             if constexpr (kSwz) {
               const uint32_t a = sw128_row_addr(swq, swc, r);
               const float2 x = X::to_float2(lds_u32(a));
@@ -1032,7 +911,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
               *qp = X::pack(x.x * fq0, x.y * fq1);
             }
           }
-          if (sub < 3 && kStateRescale == 0) {
+          if (sub < 3) {
             if constexpr (kSwz) {
               const uint32_t a = sw128_row_addr(swk, swc, r);
               const float2 x = X::to_float2(lds_u32(a));
@@ -1136,15 +1015,6 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         if constexpr (kSwz) {
           wg_state_products<DK, X>(acc, S, vf, smem_addr(qw), smem_addr(As), smem_addr(kw), dfac, vs, L.pv, vrow, lane,
                                    p.scale);
-        } else if constexpr (kStateRescale != 0) {
-          if (full) {
-            if constexpr (kStateRescale == 2) {
-              o_tile_rescaled<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, dfac, lane);
-            } else {
-              o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
-            }
-          }
-          state_update_rescaled<DK, X>(S, vf, qw, kw, L.pq, dfac, lane);
         } else {
           if (full) o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
           state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
