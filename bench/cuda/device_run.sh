@@ -97,6 +97,12 @@ for step in "$@"; do
       # racecheck does not report harness_early1; the FREE direction is tested by a slow state group
       # (-DGLA_WS_TEST_STATE_DELAY): the correct hand-off must pass, the early FREE must fail
       for b in harness_delay harness_early1_delay; do [ -x build-cuda/$b ] && { echo "== $b"; timeout 200 ./build-cuda/$b check 2>&1 | grep -E "^check:|FAIL" | tail -4; }; done 2>&1 | tee "$LOG/free_delay.log" ;;
+    wide) # K = V = 256 (the key split): harness timing, memcheck of the GPU test, same-run against fla
+      ./build-cuda/harness bench 8x4096x16x256 1x32768x16x256 2>&1 | tee "$LOG/bench_wide.log"
+      LD_LIBRARY_PATH=build-cuda timeout 200 compute-sanitizer --tool memcheck ./build-cuda/tests/cpp/gla_tests --gtest_filter='*WideKeys*' 2>&1 | tail -4 | tee "$LOG/memcheck_wide.log"
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
+      mkdir -p $TRITON_CACHE_DIR; ls .devtmp/triton_cache.tgz.part* >/dev/null 2>&1 && cat .devtmp/triton_cache.tgz.part* | tar -xzf - -C $TRITON_CACHE_DIR
+      PYTHONUNBUFFERED=1 timeout ${FLA_TIMEOUT:-300} python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --cases ${WIDE_CASES:-8x4096x16x256} 2>&1 | tee "$LOG/fla_wide.log" | grep -v Warning ;;
     wgbench) # the opt-in ws-wgmma state group against the default, interleaved, at K = 128
       for r in 1 2; do for v in auto ws-wgmma; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench ${WG_SHAPES:-8x4096x16x128 1x32768x16x128}; done; done 2>&1 | tee "$LOG/bench_wgmma.log" ;;
     *) echo "unknown step $step" ;;

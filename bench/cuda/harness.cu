@@ -229,7 +229,7 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
   P.plan = plan_forward(p, so.data(), sms);
   // GLA_SEGMENT=n (harness only, for calibrating the planner): force segments of n chunks
   // (0: no split). Workspace as plan_forward sizes it.
-  if (const char* seg = std::getenv("GLA_SEGMENT"); seg != nullptr && P.plan.use_chunk_kernel) {
+  if (const char* seg = std::getenv("GLA_SEGMENT"); seg != nullptr && P.plan.use_chunk_kernel && !P.plan.key_split) {
     int64_t max_chunks = 0;
     for (int64_t n = 0; n < P.N; ++n) max_chunks = std::max<int64_t>(max_chunks, (so[n + 1] - so[n] + 63) / 64);
     const int64_t want = std::atoll(seg);

@@ -239,6 +239,45 @@ TEST(CudaForward, LongSequencesSplitIntoSegments) {
   check_case(d);
 }
 
+// 128 < K <= 256: the chunk kernel once per key half, the second half's o added by a third kernel
+// (ForwardPlan::key_split). The state's key rows split too: both layouts, with and without states.
+TEST(CudaForward, WideKeysRunAsTwoHalves) {
+  SKIP_WITHOUT_CUDA();
+  for (int32_t dt : {GLA_DTYPE_BF16, GLA_DTYPE_F16}) {
+    check_case(base_case(dt, 2, 1024, 2, 256));
+    Case s = base_case(dt, 1, 700, 2, 256);
+    s.normaliser = 0.1;
+    s.gate_floor = -20;
+    check_case(s);
+  }
+  for (auto kv : {std::pair<int64_t, int64_t>{192, 64}, {256, 128}, {136, 200}, {200, 100}, {256, 32}}) {
+    Case c = base_case(GLA_DTYPE_BF16, 1, 333, 2, 64);
+    c.K = kv.first;
+    c.V = kv.second;
+    check_case(c);
+  }
+  Case v = base_case(GLA_DTYPE_BF16, 2, 300, 2, 256);
+  v.state_v_first = true;
+  check_case(v);
+  v.gate_f32 = true;
+  check_case(v);
+  v.gate_f32 = false;
+  v.per_head_gate = true;
+  check_case(v);
+  Case n = base_case(GLA_DTYPE_F16, 1, 333, 2, 256);
+  n.initial_state = false;
+  n.final_state = false;
+  check_case(n);
+  Case r = base_case(GLA_DTYPE_BF16, 1, 500, 2, 256);
+  r.randn_inputs = true;
+  check_case(r);
+  Case var = base_case(GLA_DTYPE_BF16, 1, 3001, 2, 256);
+  var.cu_seqlens = {0, 1, 1, 2, 3000, 3001};
+  check_case(var);
+  Case lng = base_case(GLA_DTYPE_BF16, 1, 20000, 1, 256);  // segments: both passes per half
+  check_case(lng);
+}
+
 TEST(CudaForward, Deterministic) {
   SKIP_WITHOUT_CUDA();
   Case c = base_case(GLA_DTYPE_BF16, 1, 9000, 2, 128);
@@ -281,6 +320,7 @@ TEST(CudaForward, ExplainNamesTheKernel) {
   for (const auto& [dtype, K, want] :
        {std::tuple{GLA_DTYPE_BF16, int64_t(128), "warp-specialised chunk kernel (prep"},
         std::tuple{GLA_DTYPE_BF16, int64_t(64), "warp-specialised chunk kernel with element-wise items split two ways"},
+        std::tuple{GLA_DTYPE_BF16, int64_t(256), "warp-specialised chunk kernel (prep"},
         std::tuple{GLA_DTYPE_F32, int64_t(64), "recurrent kernel"}}) {
     Case c = base_case(dtype, 1, 64, 1, K);
     const Inputs in = make_inputs(c);
@@ -297,6 +337,7 @@ TEST(CudaForward, ExplainNamesTheKernel) {
     const std::string s(text);
     EXPECT_NE(s.find("decision: cuda (whole operation)"), std::string::npos) << s;
     EXPECT_NE(s.find(std::string("plan in 'cuda': ") + want), std::string::npos) << s;
+    EXPECT_EQ(s.find("K split into halves") != std::string::npos, K > 128) << s;
   }
 }
 

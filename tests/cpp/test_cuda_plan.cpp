@@ -99,8 +99,45 @@ TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
 
 TEST(CudaPlan, RecurrentKernelForFp32AndWideKeys) {
   EXPECT_EQ(plan_for({.dtype = cuda::kF32, .gate_dtype = cuda::kF32}).use_chunk_kernel, 0);
-  EXPECT_EQ(plan_for({.K = 256, .V = 256}).use_chunk_kernel, 0);
-  EXPECT_EQ(plan_for({.K = 129, .V = 64, .vector_loads = 0}).use_chunk_kernel, 0);
+  EXPECT_EQ(plan_for({.K = 256, .V = 256, .dtype = cuda::kF32, .gate_dtype = cuda::kF32}).use_chunk_kernel, 0);
+  EXPECT_EQ(plan_for({.K = 264, .V = 64}).use_chunk_kernel, 0);
+  EXPECT_EQ(plan_for({.K = 320, .V = 320}).use_chunk_kernel, 0);
+}
+
+// 128 < K <= 256 with 16-bit inputs: two K = 128 halves on the chunk kernel, the tiling of one
+// half, and the second half's o ([B*T, H, V] 16-bit) after the segment workspace, 256-byte aligned.
+TEST(CudaPlan, WideKeysRunAsTwoHalves) {
+  struct Row {
+    Shape s;
+    int kernel;
+  };
+  const std::vector<Row> rows = {
+      {{.K = 256, .V = 256}, 2},
+      {{.K = 192, .V = 64}, 2},
+      {{.K = 136, .V = 128, .dtype = cuda::kF16}, 2},
+      {{.K = 129, .V = 64, .vector_loads = 0}, 1},                // unaligned: mma-diag halves
+      {{.K = 256, .V = 256, .gate_dtype = cuda::kF32}, 1},        // fp32 per-key gate
+      {{.B = 1, .T = 32768, .H = 16, .K = 256, .V = 256}, 2},     // long: segments too
+  };
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    SCOPED_TRACE(testing::Message() << "row " << i);
+    const ForwardPlan plan = plan_for(r.s);
+    Shape half = r.s;
+    half.K = 128;
+    const ForwardPlan h = plan_for(half);
+    EXPECT_EQ(plan.use_chunk_kernel, 1);
+    EXPECT_EQ(plan.key_split, 1);
+    EXPECT_EQ(plan.kernel, r.kernel);
+    EXPECT_EQ(plan.head_dim_k, 128);
+    EXPECT_EQ(plan.value_tiles, h.value_tiles);
+    EXPECT_EQ(plan.max_segments, h.max_segments);
+    EXPECT_EQ(plan.partial_offset % 256, 0u);
+    EXPECT_GE(plan.partial_offset, h.workspace_bytes);
+    EXPECT_EQ(plan.workspace_bytes, plan.partial_offset + size_t(r.s.B * r.s.T * r.s.H * r.s.V) * 2);
+  }
+  EXPECT_GT(plan_for(rows.back().s).max_segments, 1);
+  EXPECT_EQ(plan_for({}).key_split, 0);
 }
 
 // Every chunk of every sequence lies in a segment, and the workspace holds one K x V state and one

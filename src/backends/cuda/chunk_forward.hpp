@@ -72,7 +72,13 @@ struct ForwardPlan {
                                  // 6 ws with the wgmma state group (opt-in)
   int64_t segment_chunks = 0;  // segment length in 64-token chunks
   int64_t max_segments = 0;    // per sequence (grid size)
-  size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1)
+  size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1), + the partial o
+  // 128 < K <= 256 (16-bit inputs): the chunk kernel runs once per key half (keys 0..127, then
+  // 128..K-1; the state's key rows split the same way, and A and o are sums over the keys), the
+  // second half's o goes to a [B*T, H, V] buffer at partial_offset in the workspace, and a third
+  // kernel adds it to o. The tiling above is the plan of one K = 128 half.
+  int32_t key_split = 0;
+  size_t partial_offset = 0;
   // Full-pass blocks of the warp-specialised kernels longest first (n * max_segments + m each;
   // 0 = natural order): uneven sequences otherwise leave their longest segments for last.
   int32_t block_order_count = 0;
@@ -86,7 +92,8 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
 // is not a warp-specialised one, the lengths are all equal, or there are too many blocks.
 void order_blocks(ForwardPlan& plan, const int64_t* seq_offsets, int64_t N);
 
-// Queues the forward on `stream`. workspace must hold plan.workspace_bytes (may be null if 0).
+// Queues the forward on `stream`. workspace must hold plan.workspace_bytes (may be null if 0) and be
+// 256-byte aligned.
 cudaError_t launch_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace,
                            cudaStream_t stream);
 

@@ -248,7 +248,7 @@ class CudaBackend final : public Backend {
     const cuda::ForwardParams f = make_params(p);
     const cuda::ForwardPlan plan = cached_plan(f, p);
     if (!plan.use_chunk_kernel) {
-      return "recurrent kernel (token loop in IEEE fp32 FMA: fp32 inputs, or K > 128)";
+      return "recurrent kernel (token loop in IEEE fp32 FMA: fp32 inputs, or K > 256)";
     }
     std::string s = plan.kernel == 6   ? "warp-specialised chunk kernel with the wgmma state group (prep and state warp groups, tensor cores; opt-in)"
                     : plan.kernel == 5 ? "warp-specialised chunk kernel with element-wise items split four ways (prep and state warp groups, tensor cores)"
@@ -258,6 +258,10 @@ class CudaBackend final : public Backend {
                                        : "chunk kernel with element-wise diagonal blocks";
     s += ", K padded to " + std::to_string(plan.head_dim_k) + ", " + std::to_string(plan.value_tiles) +
          " value tile(s) of " + std::to_string(plan.value_tile);
+    if (plan.key_split) {
+      s += ", K split into halves of 128 and " + std::to_string(p.K - 128) +
+           " (one pass each; the second half's o summed into the first's by a third kernel)";
+    }
     if (plan.max_segments > 1) {
       s += ", sequences split into segments of " + std::to_string(plan.segment_chunks) +
            " chunks (up to " + std::to_string(plan.max_segments) + "; two passes, " +
@@ -275,7 +279,10 @@ class CudaBackend final : public Backend {
     void* workspace = p.workspace;
     bool owned = false;
     auto stream = static_cast<cudaStream_t>(p.stream);
-    if (plan.workspace_bytes > 0 && (workspace == nullptr || p.workspace_bytes < plan.workspace_bytes)) {
+    // The key split's partial o is written with 16-byte stores at a 256-byte offset: a caller's
+    // workspace that is not 256-byte aligned is not used.
+    const bool misaligned = plan.key_split && reinterpret_cast<uintptr_t>(workspace) % 256 != 0;
+    if (plan.workspace_bytes > 0 && (workspace == nullptr || p.workspace_bytes < plan.workspace_bytes || misaligned)) {
       workspace = allocate(p, plan.workspace_bytes);
       owned = true;
     }

@@ -118,8 +118,60 @@ cudaError_t launch_chunk_forward(const ForwardParams& p, const ForwardPlan& plan
   return detail::run_chunk_d128(p, plan, workspace, stream);
 }
 
+namespace detail {
+
+// o += partial (the key split's second half), in fp32, rounded once to o's type. Rows r = (b, t, h)
+// of B*T*H; partial is contiguous [B*T*H, V].
+template <typename E>
+__global__ void add_partial_kernel(const ForwardParams p, const uint16_t* __restrict__ partial) {
+  using X = Elem<E>;
+  const int64_t rows = p.B * p.T * p.H;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t h = r % p.H, bt = r / p.H, t = bt % p.T, b = bt / p.T;
+    uint16_t* o = static_cast<uint16_t*>(p.o) + b * p.o_stride[0] + t * p.o_stride[1] + h * p.o_stride[2];
+    const uint16_t* s = partial + r * p.V;
+    for (int64_t j = threadIdx.x; j < p.V; j += blockDim.x) o[j] = X::from_float(X::to_float(o[j]) + X::to_float(s[j]));
+  }
+}
+
+cudaError_t launch_key_split(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
+  const size_t esz = 2;
+  ForwardParams lo = p, hi = p;
+  lo.K = 128;
+  hi.K = p.K - 128;
+  hi.q = static_cast<const char*>(p.q) + 128 * esz;
+  hi.k = static_cast<const char*>(p.k) + 128 * esz;
+  if (!p.gate_per_head) hi.g = static_cast<const char*>(p.g) + 128 * (p.gate_dtype == kF32 ? 4 : 2);
+  // The state's key rows 128.. (key stride: dimension 2, or 3 with state_v_first).
+  const int kd = p.state_v_first ? 3 : 2;
+  if (p.initial_state) hi.initial_state = p.initial_state + 128 * p.h0_stride[kd];
+  if (p.final_state) hi.final_state = p.final_state + 128 * p.ht_stride[kd];
+  void* partial = static_cast<char*>(workspace) + plan.partial_offset;
+  hi.o = partial;
+  hi.o_stride[2] = p.V;
+  hi.o_stride[1] = p.H * p.V;
+  hi.o_stride[0] = p.T * p.H * p.V;
+  cudaError_t err = launch_chunk_forward(lo, plan, workspace, stream);
+  if (err != cudaSuccess) return err;
+  err = launch_chunk_forward(hi, plan, workspace, stream);
+  if (err != cudaSuccess) return err;
+  const int64_t rows = p.B * p.T * p.H;
+  if (rows == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>(gla_min64(rows, 65535 * 8));
+  const int threads = p.V >= 256 ? 256 : 128;
+  if (p.dtype == kBF16) {
+    add_partial_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(p, static_cast<const uint16_t*>(partial));
+  } else {
+    add_partial_kernel<__half><<<blocks, threads, 0, stream>>>(p, static_cast<const uint16_t*>(partial));
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace detail
+
 cudaError_t launch_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   if (p.N == 0 || p.H == 0) return cudaSuccess;
+  if (plan.use_chunk_kernel && plan.key_split) return detail::launch_key_split(p, plan, workspace, stream);
   if (plan.use_chunk_kernel) return launch_chunk_forward(p, plan, workspace, stream);
   return launch_recurrent_forward(p, 0, stream);
 }

@@ -68,6 +68,16 @@ void order_blocks(ForwardPlan& plan, const int64_t* seq_offsets, int64_t N) {
 }
 
 ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int sm_count) {
+  // 128 < K <= 256 on tensor cores: two K = 128 halves (ForwardPlan::key_split).
+  if ((p.dtype == kBF16 || p.dtype == kF16) && p.K > 128 && p.K <= 256 && p.V >= 1) {
+    ForwardParams half = p;
+    half.K = 128;
+    ForwardPlan plan = plan_forward(half, seq_offsets, sm_count);
+    plan.key_split = 1;
+    plan.partial_offset = (plan.workspace_bytes + 255) / 256 * 256;
+    plan.workspace_bytes = plan.partial_offset + size_t(p.B) * p.T * p.H * p.V * 2;
+    return plan;
+  }
   ForwardPlan plan;
   const bool tensor_core = (p.dtype == kBF16 || p.dtype == kF16) && p.K <= 128 && p.K >= 1 && p.V >= 1;
   if (!tensor_core) return plan;
