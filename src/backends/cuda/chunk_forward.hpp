@@ -47,6 +47,9 @@ struct ForwardParams {
   int32_t gate_per_head;
   int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
   int32_t debug_skip;    // profiling only (0 in production): bit mask of chunk-kernel phases to skip
+  // 1: add this pass's o to what o holds (the key split's second half on the warp-specialised
+  // kernel at K = 128: ForwardPlan::key_split == 2). Picks a kernel instance; 0 otherwise.
+  int32_t accumulate_o;
   // Which chunk kernel the planner may pick (GLA_CUDA_KERNEL): 0 auto (the warp-specialised kernel
   // where it applies -- with two threads per element-wise item at K <= 64 --, else the
   // tensor-core-diagonal one), 1 mma-diag, 2 plain (element-wise diagonal blocks), 3 ws-split (the
@@ -74,9 +77,11 @@ struct ForwardPlan {
   int64_t max_segments = 0;    // per sequence (grid size)
   size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1), + the partial o
   // 128 < K <= 256 (16-bit inputs): the chunk kernel runs once per key half (keys 0..127, then
-  // 128..K-1; the state's key rows split the same way, and A and o are sums over the keys), the
-  // second half's o goes to a [B*T, H, V] buffer at partial_offset in the workspace, and a third
-  // kernel adds it to o. The tiling above is the plan of one K = 128 half.
+  // 128..K-1; the state's key rows split the same way, and A and o are sums over the keys). The
+  // tiling above is the plan of one K = 128 half. key_split 2 (the warp-specialised kernel): the
+  // second pass adds its o into o as it stores it (ForwardParams::accumulate_o). key_split 1 (the
+  // other chunk kernels): the second half's o goes to a [B*T, H, V] buffer at partial_offset in
+  // the workspace and a third kernel adds it to o.
   int32_t key_split = 0;
   size_t partial_offset = 0;
   // Full-pass blocks of the warp-specialised kernels longest first (n * max_segments + m each;

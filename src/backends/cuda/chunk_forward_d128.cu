@@ -12,6 +12,10 @@ cudaError_t run_chunk_d128(const ForwardParams& p, const ForwardPlan& plan, void
     if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, true>(p, plan, workspace, stream);
     return run_chunk_ws<128, __half, 16, true>(p, plan, workspace, stream);
   }
+  if (plan.kernel == 2 && p.accumulate_o) {
+    if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, false, true>(p, plan, workspace, stream);
+    return run_chunk_ws<128, __half, 16, false, true>(p, plan, workspace, stream);
+  }
   if (plan.kernel == 2) {
     if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16>(p, plan, workspace, stream);
     return run_chunk_ws<128, __half>(p, plan, workspace, stream);

@@ -49,12 +49,13 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
 // The warp-specialised kernel (both passes of a segment split). WG: the full pass with the wgmma
 // state group (ws-wgmma); pass 1 keeps the mma.sync kernel. The shared-memory request covers both
 // layouts (on a device without wgmma the WG instance runs the plain layout).
-template <int DK, typename E, int RS = 16, bool WG = false>
+// ACC: the full pass adds its o into o (ForwardParams::accumulate_o, the key split's second half).
+template <int DK, typename E, int RS = 16, bool WG = false, bool ACC = false>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
   const bool per_head = p.gate_per_head != 0;
   const int smem_bytes = std::max(ws_smem_layout(DK, per_head, 16 / RS, WG).total, ws_smem_layout(DK, per_head, 16 / RS).total);
-  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, WG>;
+  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, WG, ACC>;
   auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;  // pass 1 of a segment split
   static int raised = 0;
   if (raised < smem_bytes) {

@@ -288,6 +288,13 @@ __device__ __forceinline__ void write_level_split(uint16_t* base, int pq, int hf
 // Barrier ids (0 is __syncthreads).
 constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
 
+// Two packed 16-bit values plus two, in fp32, packed again (the key split's o accumulation).
+template <typename X>
+__device__ __forceinline__ uint32_t add_pair(uint32_t a, uint32_t b) {
+  const float2 x = X::to_float2(a), y = X::to_float2(b);
+  return X::pack(x.x + y.x, x.y + y.y);
+}
+
 // o^T (scaled) -> this warp's own columns of the v stage, as o rows (t) of 16 values.
 template <typename X>
 __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t* vs, int pv, int vrow, int lane, float sc) {
@@ -400,7 +407,8 @@ __device__ __forceinline__ void wg_state_products(float (&acc)[8][4], float (&S)
 // full pass): the three state products on wgmma (A operands from registers, qg / A / kg read from
 // shared memory once per warp group instead of once per warp, asynchronously), and the slots in
 // wgmma's swizzled layout. Off sm_90a the same instance runs the mma.sync code (kSwz false).
-template <int DK, typename E, int RS = 16, int LOCAL = 0, bool WG = false>
+// ACC: o += this pass's output as it is stored (the key split's second half, K in 129..256).
+template <int DK, typename E, int RS = 16, int LOCAL = 0, bool WG = false, bool ACC = false>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -1039,8 +1047,16 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       for (int i = 0; i < 4; ++i) {
         const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1;
         if (r < rows && v0 + vrow + half * 8 < p.V) {
-          *reinterpret_cast<uint4*>(ob + (r * p.o_stride[1] + half * 8) * esz) =
-              *reinterpret_cast<const uint4*>(vs + r * L.pv + vrow + half * 8);
+          uint4* dst = reinterpret_cast<uint4*>(ob + (r * p.o_stride[1] + half * 8) * esz);
+          const uint4 mine = *reinterpret_cast<const uint4*>(vs + r * L.pv + vrow + half * 8);
+          if constexpr (ACC) {
+            // 16-bit o of the first key half + this half's, summed in fp32 and rounded once more
+            const uint4 prev = *dst;
+            *dst = make_uint4(add_pair<X>(prev.x, mine.x), add_pair<X>(prev.y, mine.y), add_pair<X>(prev.z, mine.z),
+                              add_pair<X>(prev.w, mine.w));
+          } else {
+            *dst = mine;
+          }
         }
       }
     }

@@ -146,13 +146,17 @@ cudaError_t launch_key_split(const ForwardParams& p, const ForwardPlan& plan, vo
   const int kd = p.state_v_first ? 3 : 2;
   if (p.initial_state) hi.initial_state = p.initial_state + 128 * p.h0_stride[kd];
   if (p.final_state) hi.final_state = p.final_state + 128 * p.ht_stride[kd];
+  cudaError_t err = launch_chunk_forward(lo, plan, workspace, stream);
+  if (err != cudaSuccess) return err;
+  if (plan.key_split == 2) {  // the second pass adds into o as it stores
+    hi.accumulate_o = 1;
+    return launch_chunk_forward(hi, plan, workspace, stream);
+  }
   void* partial = static_cast<char*>(workspace) + plan.partial_offset;
   hi.o = partial;
   hi.o_stride[2] = p.V;
   hi.o_stride[1] = p.H * p.V;
   hi.o_stride[0] = p.T * p.H * p.V;
-  cudaError_t err = launch_chunk_forward(lo, plan, workspace, stream);
-  if (err != cudaSuccess) return err;
   err = launch_chunk_forward(hi, plan, workspace, stream);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.B * p.T * p.H;

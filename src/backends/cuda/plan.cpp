@@ -73,9 +73,11 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
     ForwardParams half = p;
     half.K = 128;
     ForwardPlan plan = plan_forward(half, seq_offsets, sm_count);
-    plan.key_split = 1;
-    plan.partial_offset = (plan.workspace_bytes + 255) / 256 * 256;
-    plan.workspace_bytes = plan.partial_offset + size_t(p.B) * p.T * p.H * p.V * 2;
+    plan.key_split = plan.kernel == 2 ? 2 : 1;
+    if (plan.key_split == 1) {
+      plan.partial_offset = (plan.workspace_bytes + 255) / 256 * 256;
+      plan.workspace_bytes = plan.partial_offset + size_t(p.B) * p.T * p.H * p.V * 2;
+    }
     return plan;
   }
   ForwardPlan plan;
