@@ -905,31 +905,23 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         const uint32_t swq = kSwz ? smem_addr(qw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
         const uint32_t swk = kSwz ? smem_addr(kw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
         const uint32_t swc = static_cast<uint32_t>((k0 & 63) * 2);
+        // Scales row r of this item's column pair in a slot tile in place (qw or kw).
+        auto scale_row = [&](uint16_t* tile, uint32_t sw, int r, int t, float f0, float f1) {
+          if constexpr (kSwz) {
+            const uint32_t a = sw128_row_addr(sw, swc, r);
+            const float2 x = X::to_float2(lds_u32(a));
+            sts_u32(a, X::pack(x.x * f0, x.y * f1));
+          } else {
+            uint32_t* xp = reinterpret_cast<uint32_t*>(tile + qoff(t, k0, L.pq));
+            const float2 x = X::to_float2(*xp);
+            *xp = X::pack(x.x * f0, x.y * f1);
+          }
+        };
 #pragma unroll
         for (int r = 0; r < RS; ++r) {
           const int t = sub * 16 + row0 + r;
-          if (full && sub > 0) {
-            if constexpr (kSwz) {
-              const uint32_t a = sw128_row_addr(swq, swc, r);
-              const float2 x = X::to_float2(lds_u32(a));
-              sts_u32(a, X::pack(x.x * fq0, x.y * fq1));
-            } else {
-              uint32_t* qp = reinterpret_cast<uint32_t*>(qw + qoff(t, k0, L.pq));
-              const float2 x = X::to_float2(*qp);
-              *qp = X::pack(x.x * fq0, x.y * fq1);
-            }
-          }
-          if (sub < 3) {
-            if constexpr (kSwz) {
-              const uint32_t a = sw128_row_addr(swk, swc, r);
-              const float2 x = X::to_float2(lds_u32(a));
-              sts_u32(a, X::pack(x.x * fk0, x.y * fk1));
-            } else {
-              uint32_t* kp = reinterpret_cast<uint32_t*>(kw + qoff(t, k0, L.pq));
-              const float2 x = X::to_float2(*kp);
-              *kp = X::pack(x.x * fk0, x.y * fk1);
-            }
-          }
+          if (full && sub > 0) scale_row(qw, swq, r, t, fq0, fq1);
+          if (sub < 3) scale_row(kw, swk, r, t, fk0, fk1);
         }
       }
       // wgmma (the ws-wgmma state group) reads the slot through the async proxy.
