@@ -1,6 +1,6 @@
 // The `cuda` backend: NVIDIA GPUs, compute capability 8.0 and up. Implements the whole chunk
-// forward (GLA_UNIT_CHUNK_FWD) with the kernels of chunk_forward.hpp; backward is not implemented
-// yet and falls through to other backends.
+// forward (GLA_UNIT_CHUNK_FWD, chunk_forward.hpp) and backward (GLA_UNIT_CHUNK_BWD, 16-bit inputs,
+// chunk_backward.hpp); what it declines falls through to other backends.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cuda/chunk_backward.hpp"
 #include "backends/cuda/chunk_forward.hpp"
 #include "core/backend.hpp"
 
@@ -162,6 +163,57 @@ cuda::ForwardParams make_params(const gla_problem& p) {
   return f;
 }
 
+const float* state_or_null(const gla_tensor& t) {
+  return present(t) ? static_cast<const float*>(t.data) : nullptr;
+}
+
+cuda::BackwardParams make_backward_params(const gla_problem& p) {
+  cuda::BackwardParams b{};
+  b.q = p.q.data;
+  b.k = p.k.data;
+  b.v = p.v.data;
+  b.g = p.g.data;
+  b.do_ = present(p.do_) ? p.do_.data : nullptr;
+  copy_strides(p.q, b.q_stride, 3);
+  copy_strides(p.k, b.k_stride, 3);
+  copy_strides(p.v, b.v_stride, 3);
+  copy_strides(p.g, b.g_stride, 3);
+  if (b.do_) copy_strides(p.do_, b.do_stride, 3);
+  b.initial_state = state_or_null(p.initial_state);
+  b.dht = state_or_null(p.dht);
+  b.dh0 = present(p.dh0) ? static_cast<float*>(p.dh0.data) : nullptr;
+  if (b.initial_state) copy_strides(p.initial_state, b.h0_stride, 4);
+  if (b.dht) copy_strides(p.dht, b.dht_stride, 4);
+  if (b.dh0) copy_strides(p.dh0, b.dh0_stride, 4);
+  b.state_v_first = p.state_v_first;
+  b.dq = present(p.dq) ? p.dq.data : nullptr;
+  b.dk = present(p.dk) ? p.dk.data : nullptr;
+  b.dv = present(p.dv) ? p.dv.data : nullptr;
+  b.dg = present(p.dg) ? p.dg.data : nullptr;
+  if (b.dq) copy_strides(p.dq, b.dq_stride, 3);
+  if (b.dk) copy_strides(p.dk, b.dk_stride, 3);
+  if (b.dv) copy_strides(p.dv, b.dv_stride, 3);
+  if (b.dg) copy_strides(p.dg, b.dg_stride, 3);
+  b.varlen = p.varlen;
+  b.cu_seqlens = p.varlen ? p.cu_seqlens.data : nullptr;
+  b.cu_seqlens_int64 = p.varlen && p.cu_seqlens.dtype == GLA_DTYPE_I64;
+  b.B = p.B;
+  b.T = p.T;
+  b.H = p.H;
+  b.K = p.K;
+  b.V = p.V;
+  b.N = p.N;
+  int64_t chunks = 0;
+  for (int64_t n = 0; n < p.N; ++n) chunks += (p.seq_offsets[n + 1] - p.seq_offsets[n] + 63) / 64;
+  b.num_chunks = chunks;
+  b.scale = static_cast<float>(p.scale);
+  b.dtype = element_type(p.dtype);
+  b.gate_dtype = element_type(p.gate_dtype);
+  b.dg_dtype = b.dg ? element_type(p.dg.dtype) : cuda::kF32;
+  b.gate_per_head = p.gate_per_head;
+  return b;
+}
+
 // Plans are cached per problem signature: the segment planner simulates the block schedule
 // (up to ~1 ms of host time for many heads), which must not sit in front of every launch.
 cuda::ForwardPlan cached_plan(const cuda::ForwardParams& f, const gla_problem& p) {
@@ -192,7 +244,7 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   int priority() const override { return 10; }
   bool serves_device(int32_t device_type) const override { return device_type == GLA_DEVICE_CUDA; }
-  bool implements(int32_t unit) const override { return unit == GLA_UNIT_CHUNK_FWD; }
+  bool implements(int32_t unit) const override { return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD; }
 
   Verdict available() const override {
     int count = 0;
@@ -206,8 +258,8 @@ class CudaBackend final : public Backend {
   }
 
   Verdict verify(const gla_problem& p) const override {
-    if (p.backward || p.unit != GLA_UNIT_CHUNK_FWD) {
-      return Verdict::no("only the chunk forward is implemented on CUDA so far (backward: not yet)");
+    if (p.unit != GLA_UNIT_CHUNK_FWD && p.unit != GLA_UNIT_CHUNK_BWD) {
+      return Verdict::no("implements the whole chunk forward and backward, not the stages");
     }
     const DeviceInfo& d = device_info(p.device_index);
     if (!d.ok) return Verdict::no("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
@@ -221,17 +273,30 @@ class CudaBackend final : public Backend {
       const char* name;
       const gla_tensor* t;
     };
-    for (const Named& x : {Named{"q", &p.q}, Named{"k", &p.k}, Named{"v", &p.v}, Named{"o", &p.o}}) {
-      if (x.t->strides[3] != 1 && x.t->sizes[3] != 1) {
+    for (const Named& x : {Named{"q", &p.q}, Named{"k", &p.k}, Named{"v", &p.v}, Named{"o", &p.o}, Named{"do", &p.do_},
+                           Named{"dq", &p.dq}, Named{"dk", &p.dk}, Named{"dv", &p.dv}}) {
+      if (present(*x.t) && x.t->strides[3] != 1 && x.t->sizes[3] != 1) {
         return Verdict::no(std::string(x.name) + " needs a contiguous last dimension (stride 1), got stride " +
                            std::to_string(x.t->strides[3]));
       }
     }
-    if (!p.gate_per_head && p.g.strides[3] != 1 && p.g.sizes[3] != 1) {
-      return Verdict::no("g needs a contiguous last dimension (stride 1), got stride " + std::to_string(p.g.strides[3]));
+    for (const Named& x : {Named{"g", &p.g}, Named{"dg", &p.dg}}) {
+      if (present(*x.t) && !p.gate_per_head && x.t->strides[3] != 1 && x.t->sizes[3] != 1) {
+        return Verdict::no(std::string(x.name) + " needs a contiguous last dimension (stride 1), got stride " +
+                           std::to_string(x.t->strides[3]));
+      }
     }
     if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) {
       return Verdict::no("cu_seqlens must be in CUDA device memory");
+    }
+    if (p.backward) {
+      if (p.dtype == GLA_DTYPE_F32) {
+        return Verdict::no("the CUDA backward runs on 16-bit tensor-core operands: q, k, v in float32 are not served");
+      }
+      if (p.V > 512) return Verdict::no("V=" + std::to_string(p.V) + " > 512 supported by the CUDA backward");
+      if (present(p.dg) && element_type(p.dg.dtype) < 0) return Verdict::no("dg dtype not fp32/fp16/bf16");
+      if (p.H > 65535) return Verdict::no("H > 65535 (grid limit)");
+      return Verdict::yes();
     }
     const int64_t value_tiles = (p.V + 31) / 32;
     if (p.H * value_tiles > 65535) return Verdict::no("H * ceil(V/32) > 65535 (grid limit)");
@@ -240,11 +305,19 @@ class CudaBackend final : public Backend {
   }
 
   size_t workspace_size(const gla_problem& p) const override {
+    if (p.backward) return cuda::plan_backward(make_backward_params(p)).workspace_bytes;
     const cuda::ForwardParams f = make_params(p);
     return cached_plan(f, p).workspace_bytes;
   }
 
   std::string plan_note(const gla_problem& p) const override {
+    if (p.backward) {
+      const cuda::BackwardPlan plan = cuda::plan_backward(make_backward_params(p));
+      return "chunk backward: state walks per (sequence, head, 64x64 state block), then dq/dk/dg per (chunk, head, "
+             "key tile of 64) and dv per (chunk, head, value tile of 64) on tensor cores; " +
+             std::to_string(plan.key_tiles) + " key tile(s), " + std::to_string(plan.value_tiles) +
+             " value tile(s), " + std::to_string(plan.workspace_bytes) + " workspace bytes (fp32 chunk states and state gradients)";
+    }
     const cuda::ForwardParams f = make_params(p);
     const cuda::ForwardPlan plan = cached_plan(f, p);
     if (!plan.use_chunk_kernel) {
@@ -274,6 +347,10 @@ class CudaBackend final : public Backend {
   }
 
   void run(const gla_problem& p) override {
+    if (p.backward) {
+      run_backward(p);
+      return;
+    }
     DeviceGuard guard(p.device_index);
     const cuda::ForwardParams f = make_params(p);
     const cuda::ForwardPlan plan = cached_plan(f, p);
@@ -291,6 +368,24 @@ class CudaBackend final : public Backend {
     if (owned) deallocate(p, workspace);
     if (err != cudaSuccess) {
       fail(GLA_STATUS_BACKEND_ERROR, std::string("cuda forward launch failed: ") + cudaGetErrorString(err));
+    }
+  }
+
+  void run_backward(const gla_problem& p) {
+    DeviceGuard guard(p.device_index);
+    const cuda::BackwardParams b = make_backward_params(p);
+    const cuda::BackwardPlan plan = cuda::plan_backward(b);
+    void* workspace = p.workspace;
+    bool owned = false;
+    if (workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
+        reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+      workspace = allocate(p, plan.workspace_bytes);
+      owned = true;
+    }
+    const cudaError_t err = cuda::launch_backward(b, plan, workspace, static_cast<cudaStream_t>(p.stream));
+    if (owned) deallocate(p, workspace);
+    if (err != cudaSuccess) {
+      fail(GLA_STATUS_BACKEND_ERROR, std::string("cuda backward launch failed: ") + cudaGetErrorString(err));
     }
   }
 

@@ -1,0 +1,165 @@
+"""gla.chunk_gla against fla's chunk_gla through the public PyTorch call, forward and forward+backward.
+
+Both are called the way a user calls them (from PyTorch, autograd for the backward), on the same
+inputs in one process on one GPU. Per case it prints libgla ms, fla ms, their ratio, and the extra
+peak memory of each (peak allocated during the call minus what the inputs already held), timed
+two ways: CUDA events around each call with a synchronise between calls (median of --reps), and
+back-to-back (--reps calls between two events, mean).
+
+bf16, g = logsigmoid(randn) (fla's tests), no initial state, no final state. fla comes from its wheel
+(fla-core 0.6.0) on the GPU machine:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:python GLA_LIBRARY=build-cuda/libgla.so python3 bench/cuda/bench_training.py
+--json PATH writes the table as JSON too.
+"""
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import gla
+
+# (label, B, T, H, K, V, cu_seqlens or None)
+VARLEN = [0, 1, 7000, 7001, 9000, 9100, 12000, 15000, 15001, 18000, 21000, 24000, 26000, 28000, 30000, 31500, 32769]
+CASES = [
+    ("B8 T4096 H16 D128", 8, 4096, 16, 128, 128, None),
+    ("B4 T8192 H32 D64", 4, 8192, 32, 64, 64, None),
+    ("B1 T32768 H16 D128", 1, 32768, 16, 128, 128, None),
+    ("B32 T1024 H16 D128", 32, 1024, 16, 128, 128, None),
+    ("varlen 16 seqs 32769 tok H16 D128", 1, 32769, 16, 128, 128, VARLEN),
+    ("B8 T2048 H4 K256 V512", 8, 2048, 4, 256, 512, None),
+    ("B8 T2048 H8 K64 V128", 8, 2048, 8, 64, 128, None),
+    ("B4 T4096 H16 K128 V256", 4, 4096, 16, 128, 256, None),
+]
+
+
+def make_inputs(B, T, H, K, V, cu, requires_grad):
+    torch.manual_seed(0)
+    dev = "cuda"
+    q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.randn(B, T, H, K, device=dev, dtype=torch.float32)).to(torch.bfloat16)
+    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    leaves = [x.requires_grad_(requires_grad) for x in (q, k, v, g)]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=dev) if cu else None
+    cu_cpu = torch.tensor(cu, dtype=torch.int32) if cu else None
+    return leaves, do, cu_t, cu_cpu
+
+
+def run_gla(leaves, do, cu_t, cu_cpu, backward):
+    q, k, v, g = leaves
+    o, _ = gla.chunk_gla(q, k, v, g, cu_seqlens=cu_t, cu_seqlens_cpu=cu_cpu)
+    if backward:
+        o.backward(do)
+    return o
+
+
+def run_fla(fla_chunk_gla, leaves, do, cu_t, cu_cpu, backward):
+    q, k, v, g = leaves
+    kwargs = {"cu_seqlens": cu_t} if cu_t is not None else {}
+    o, _ = fla_chunk_gla(q, k, v, g, **kwargs)
+    if backward:
+        o.backward(do)
+    return o
+
+
+def clear_grads(leaves):
+    for x in leaves:
+        x.grad = None
+
+
+def time_calls(fn, leaves, reps, warmup=3):
+    """(median ms with a synchronise between calls, mean ms back-to-back, extra peak MiB)."""
+    for _ in range(warmup):
+        clear_grads(leaves)
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        clear_grads(leaves)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    clear_grads(leaves)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    back_to_back = start.elapsed_time(end) / reps
+    clear_grads(leaves)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    clear_grads(leaves)
+    return statistics.median(times), back_to_back, peak
+
+
+def rel_rms(a, b):
+    a, b = a.float(), b.float()
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cases", default="", help="comma-separated case labels (default: all)")
+    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    fla_chunk_gla = None
+    if not args.no_fla:
+        try:
+            from fla.ops.gla import chunk_gla as fla_chunk_gla
+        except Exception as e:  # noqa: BLE001
+            print(f"fla not importable ({type(e).__name__}: {e}); libgla only", file=sys.stderr)
+    wanted = {c.strip() for c in args.cases.split(",") if c.strip()}
+    rows = []
+    print(f"{torch.cuda.get_device_name()}  torch {torch.version.__version__}  reps {args.reps}")
+    print(f"{'case':36s} {'pass':8s} {'libgla ms':>10s} {'fla ms':>9s} {'ratio':>6s} {'b2b libgla':>10s} "
+          f"{'b2b fla':>8s} {'b2b ratio':>9s} {'MiB libgla':>10s} {'MiB fla':>8s} {'grad diff':>9s}")
+    for label, B, T, H, K, V, cu in CASES:
+        if wanted and label not in wanted:
+            continue
+        for backward in ((False,) if args.forward_only else (False, True)):
+            leaves, do, cu_t, cu_cpu = make_inputs(B, T, H, K, V, cu, backward)
+            ours = time_calls(lambda: run_gla(leaves, do, cu_t, cu_cpu, backward), leaves, args.reps)
+            theirs, diff = (float("nan"),) * 3, float("nan")
+            if fla_chunk_gla is not None:
+                theirs = time_calls(lambda: run_fla(fla_chunk_gla, leaves, do, cu_t, cu_cpu, backward), leaves,
+                                    args.reps)
+                o1 = run_gla(leaves, do, cu_t, cu_cpu, backward)
+                grads1 = [x.grad.clone() for x in leaves] if backward else [o1]
+                clear_grads(leaves)
+                o2 = run_fla(fla_chunk_gla, leaves, do, cu_t, cu_cpu, backward)
+                grads2 = [x.grad.clone() for x in leaves] if backward else [o2]
+                clear_grads(leaves)
+                diff = max(rel_rms(a, b) for a, b in zip(grads1, grads2))
+            row = {"case": label, "pass": "fwd+bwd" if backward else "fwd", "libgla_ms": ours[0], "fla_ms": theirs[0],
+                   "ratio": theirs[0] / ours[0], "b2b_libgla_ms": ours[1], "b2b_fla_ms": theirs[1],
+                   "b2b_ratio": theirs[1] / ours[1], "extra_peak_mib_libgla": ours[2],
+                   "extra_peak_mib_fla": theirs[2], "max_rel_rms_vs_fla": diff}
+            rows.append(row)
+            print(f"{label:36s} {row['pass']:8s} {ours[0]:10.3f} {theirs[0]:9.3f} {row['ratio']:6.2f} {ours[1]:10.3f} "
+                  f"{theirs[1]:8.3f} {row['b2b_ratio']:9.2f} {ours[2]:10.1f} {theirs[2]:8.1f} {diff:9.2e}", flush=True)
+            del leaves, do
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

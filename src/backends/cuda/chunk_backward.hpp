@@ -1,0 +1,78 @@
+// The CUDA backend's chunk backward: parameter struct, workspace plan and host launcher.
+//
+// Framework-free: raw device pointers, element strides, sizes and a stream in; a cudaError_t out.
+// The backward (SPEC.md §2, stages B0-B5) runs as four kernels over 64-token chunks, with 64 x 64
+// tiles of the key and value dimensions (any K and V):
+//   chunk offsets  one CTA: each sequence's first global chunk, from device cu_seqlens (no host copy,
+//                  so the backward captures into CUDA graphs).
+//   state scans    one CTA per (sequence, head, key tile, value tile) and direction: the forward walk
+//                  recomputes every chunk-start state S_c, the reverse walk every end-of-chunk state
+//                  gradient dS_{c+1} and dh0; both fp32, written to the workspace. The transition is
+//                  diagonal in the keys, so key tiles are independent walks.
+//   dq/dk/dg       one CTA per (chunk, head, key tile): dA = scale * do v^T over all values, then the
+//                  inter-chunk terms from S_c and dS_{c+1}, the pivoted off-diagonal blocks on tensor
+//                  cores, the 16 x 16 diagonal blocks element-wise, and dg by a reverse cumsum.
+//   dv             one CTA per (chunk, head, value tile): A = scale * (q 2^b)(k 2^-b)^T pivoted over
+//                  all keys, dv = A^T do + (k 2^{b_last - b}) dS_{c+1}.
+// bf16 / fp16 tensor-core operands (WMMA m16n16k16), fp32 accumulation, fp32 gate cumsum and states.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace gla::cuda {
+
+// Strides are in elements; every tensor's last dimension is contiguous (checked by verify()).
+struct BackwardParams {
+  // Inputs: q, k [B, T, H, K]; v, do [B, T, H, V]; g [B, T, H, K] or [B, T, H] (gate_per_head).
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* g;
+  const void* do_;  // null: dL/do = 0
+  int64_t q_stride[3], k_stride[3], v_stride[3], g_stride[3], do_stride[3];  // b, t, h
+  // States [N, H, K, V] (or [N, H, V, K] with state_v_first), fp32; null when absent.
+  const float* initial_state;
+  const float* dht;
+  float* dh0;
+  int64_t h0_stride[4], dht_stride[4], dh0_stride[4];
+  int32_t state_v_first;
+  // Outputs (null when not wanted): dq, dk like q; dv like v; dg like g in dg_dtype.
+  void* dq;
+  void* dk;
+  void* dv;
+  void* dg;
+  int64_t dq_stride[3], dk_stride[3], dv_stride[3], dg_stride[3];
+  // Sequences: cu_seqlens (device, [N+1], int32 or int64) when varlen, else sequence n = row n.
+  const void* cu_seqlens;
+  int32_t cu_seqlens_int64;
+  int32_t varlen;
+  int64_t B, T, H, K, V, N;
+  int64_t num_chunks;  // total 64-token chunks over all sequences (grid size)
+  float scale;
+  int32_t dtype;       // ElementType (chunk_forward.hpp) of q, k, v, do, dq, dk, dv: kF16 or kBF16
+  int32_t gate_dtype;  // of g
+  int32_t dg_dtype;    // of dg
+  int32_t gate_per_head;
+};
+
+// Where each intermediate lives in the workspace (byte offsets, 256-byte aligned).
+struct BackwardPlan {
+  int32_t key_tiles = 0;    // ceil(K / 64)
+  int32_t value_tiles = 0;  // ceil(V / 64)
+  size_t chunk_offsets = 0;  // int64 [N + 1]: first global chunk of each sequence
+  size_t states = 0;         // fp32 [num_chunks, H, K, V]: S_c, the state before chunk c
+  size_t state_grads = 0;    // fp32 [num_chunks, H, K, V]: dS_{c+1}, dL/d(state after chunk c)
+  size_t gate_partials = 0;  // fp32 [key_tiles, B * T, H]: per-head gate only, dg per key tile
+  size_t workspace_bytes = 0;
+};
+
+BackwardPlan plan_backward(const BackwardParams& p);
+
+// Queues the backward on `stream`. workspace must hold plan.workspace_bytes, 256-byte aligned.
+cudaError_t launch_backward(const BackwardParams& p, const BackwardPlan& plan, void* workspace,
+                            cudaStream_t stream);
+
+}  // namespace gla::cuda

@@ -1,0 +1,291 @@
+// dq, dk and dg of one (chunk, head, key tile) (SPEC.md §2 B3-B5).
+//
+// With b the chunk-local cumulative gate (log2 units), e_j = 16j + 15 the last row of sub-chunk j
+// and every exponent below <= 0 (SPEC §3.2):
+//   dA      = scale · do vᵀ                                         (over all value tiles)
+//   dq_t    = scale 2^{b_t} ⊙ (S_c do_t)                              inter
+//           + 2^{b_t - b_{e_{i-1}}} ⊙ Σ_{j<i} dA_ij (k_j ⊙ 2^{b_{e_{i-1}} - b_s})   query block i, off-diagonal
+//           + Σ_{s<=t, same block} dA[t,s] k_s ⊙ 2^{b_t - b_s}        element-wise
+//   dk_s    = 2^{b_last - b_s} ⊙ (dS_{c+1} v_s)                       inter
+//           + 2^{b_{e_j} - b_s} ⊙ Σ_{i>j} dA_ijᵀ (q_i ⊙ 2^{b_t - b_{e_j}})          key block j, off-diagonal
+//           + Σ_{t>=s, same block} dA[t,s] q_t ⊙ 2^{b_t - b_s}        element-wise
+//   dg_u    = Σ_{t=u..last} (q_t ⊙ dq_t - k_t ⊙ dk_t) + 2^{b_last} ⊙ rowsum(S_c ⊙ dS_{c+1})
+//           + Σ_s k_s ⊙ dk_s^inter
+// A per-head gate sums dg over the keys: per key tile into the workspace when K > 64.
+#pragma once
+
+#include "backends/cuda/chunk_backward_common.cuh"
+
+namespace gla::cuda::backward {
+
+constexpr int kGradThreads = 256;
+constexpr int kStackRows = 96;  // 16 + 32 + 48 rows of pivoted keys (or queries) for three blocks
+
+// First row of query block i's pivoted keys (i = 1..3) and of key block j's pivoted queries (j = 0..2)
+// in their stacks.
+__device__ __forceinline__ int key_stack_row(int i) { return 8 * i * (i - 1); }
+__device__ __forceinline__ int query_stack_row(int j) { return j == 0 ? 0 : (j == 1 ? 48 : 80); }
+
+template <typename E>
+struct DqkShared {
+  alignas(128) float b[kChunk * kTile];
+  alignas(128) E q[kChunk * kLd16];
+  alignas(128) E k[kChunk * kLd16];
+  alignas(128) E dA[kChunk * kLd16];  // [t][s], scale included
+  union {
+    struct {
+      alignas(128) E dO[kChunk * kLd16];
+      alignas(128) E v[kChunk * kLd16];
+      alignas(128) E S[kTile * kLd16];   // [key][value] of S_c
+      alignas(128) E dS[kTile * kLd16];  // [key][value] of dS_{c+1}
+    } loop;
+    struct {
+      alignas(128) float dq[kChunk * kLd32];
+      alignas(128) float dk[kChunk * kLd32];
+    } grad;
+  } u;
+  alignas(128) E key_stack[kStackRows * kLd16];
+  alignas(128) E query_stack[kStackRows * kLd16];
+  alignas(128) float tmp[kChunk * kLd32];
+  float rowsum[kTile];
+  float dk_inter_sum[kTile];
+  float rowsum_half[kTile];
+};
+
+// grid: (num_chunks, H, key_tiles)
+template <typename E>
+__global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
+  namespace wmma = nvcuda::wmma;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  DqkShared<E>& sh = *reinterpret_cast<DqkShared<E>*>(smem_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t chunk = blockIdx.x, h = blockIdx.y;
+  const int64_t k0 = int64_t(blockIdx.z) * kTile;
+  const int64_t kv = p.K - k0 < kTile ? p.K - k0 : kTile;
+  const ChunkRef ch = locate_chunk(p, ws.chunk_offsets, chunk);
+  const int64_t rows = ch.len;
+
+  gate_cumsum(sh.b, p, ch.batch, ch.t0, h, rows, k0, tid, kGradThreads);
+  load_tile<E>(sh.q, p.q, p.q_stride, ch.batch, ch.t0, h, rows, k0, kv, tid, kGradThreads);
+  load_tile<E>(sh.k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, tid, kGradThreads);
+
+  // ---- over the value tiles: dA = do vᵀ, Pq = do S_cᵀ, Pk = v dS_{c+1}ᵀ, rowsum(S_c ⊙ dS_{c+1}) ----
+  FragC acc_dA[2], acc_q[2], acc_k[2];
+  for (int i = 0; i < 2; ++i) {
+    wmma::fill_fragment(acc_dA[i], 0.0f);
+    wmma::fill_fragment(acc_q[i], 0.0f);
+    wmma::fill_fragment(acc_k[i], 0.0f);
+  }
+  float rowsum_part[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) rowsum_part[i] = 0.0f;
+  const float* S_c = ws.states + (chunk * p.H + h) * p.K * p.V;
+  const float* dS_c = ws.state_grads + (chunk * p.H + h) * p.K * p.V;
+  for (int vt = 0; vt < plan.value_tiles; ++vt) {
+    const int64_t v0 = int64_t(vt) * kTile;
+    const int64_t vv = p.V - v0 < kTile ? p.V - v0 : kTile;
+    load_tile<E>(sh.u.loop.dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, tid, kGradThreads);
+    load_tile<E>(sh.u.loop.v, p.v, p.v_stride, ch.batch, ch.t0, h, rows, v0, vv, tid, kGradThreads);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int r = (tid >> 6) + 4 * i, c = tid & 63;
+      float s = 0.0f, ds = 0.0f;
+      if (r < kv && c < vv) {
+        s = S_c[(k0 + r) * p.V + v0 + c];
+        ds = dS_c[(k0 + r) * p.V + v0 + c];
+      }
+      rowsum_part[i] += s * ds;
+      sh.u.loop.S[r * kLd16 + c] = from_float<E>(s);
+      sh.u.loop.dS[r * kLd16 + c] = from_float<E>(ds);
+    }
+    __syncthreads();
+    for (int i = 0; i < 2; ++i) {
+      const int tile = 2 * warp + i, ti = tile >> 2, tj = tile & 3;
+      for (int kk = 0; kk < 4; ++kk) {
+        FragA<E> a_do, a_v;
+        FragBT<E> b_v, b_S, b_dS;
+        wmma::load_matrix_sync(a_do, sh.u.loop.dO + 16 * ti * kLd16 + 16 * kk, kLd16);
+        wmma::load_matrix_sync(a_v, sh.u.loop.v + 16 * ti * kLd16 + 16 * kk, kLd16);
+        wmma::load_matrix_sync(b_v, sh.u.loop.v + 16 * tj * kLd16 + 16 * kk, kLd16);
+        wmma::load_matrix_sync(b_S, sh.u.loop.S + 16 * tj * kLd16 + 16 * kk, kLd16);
+        wmma::load_matrix_sync(b_dS, sh.u.loop.dS + 16 * tj * kLd16 + 16 * kk, kLd16);
+        wmma::mma_sync(acc_dA[i], a_do, b_v, acc_dA[i]);
+        wmma::mma_sync(acc_q[i], a_do, b_S, acc_q[i]);
+        wmma::mma_sync(acc_k[i], a_v, b_dS, acc_k[i]);
+      }
+    }
+    __syncthreads();
+  }
+  // rowsum: the 64 threads sharing tid >> 6 hold the same rows (two warps).
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float x = rowsum_part[i];
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    rowsum_part[i] = x;
+  }
+  if (lane == 0 && (warp & 1) == 1) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sh.rowsum_half[(tid >> 6) + 4 * i] = rowsum_part[i];
+  }
+  for (int i = 0; i < 2; ++i) {
+    const int tile = 2 * warp + i, ti = tile >> 2, tj = tile & 3;
+    wmma::store_matrix_sync(sh.u.grad.dq + 16 * ti * kLd32 + 16 * tj, acc_q[i], kLd32, wmma::mem_row_major);
+    wmma::store_matrix_sync(sh.u.grad.dk + 16 * ti * kLd32 + 16 * tj, acc_k[i], kLd32, wmma::mem_row_major);
+    wmma::store_matrix_sync(sh.tmp + 16 * ti * kLd32 + 16 * tj, acc_dA[i], kLd32, wmma::mem_row_major);
+  }
+  __syncthreads();
+  if (lane == 0 && (warp & 1) == 0) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int r = (tid >> 6) + 4 * i;
+      sh.rowsum[r] = rowsum_part[i] + sh.rowsum_half[r];
+    }
+  }
+
+  // ---- inter-chunk terms, dA in 16 bits, the pivoted stacks ----
+  for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
+    const int t = e >> 6, c = e & 63;
+    const float bt = sh.b[t * kTile + c], last = sh.b[(kChunk - 1) * kTile + c];
+    sh.dA[t * kLd16 + c] = from_float<E>(p.scale * sh.tmp[t * kLd32 + c]);
+    sh.u.grad.dq[t * kLd32 + c] *= p.scale * exp2f(bt);
+    sh.u.grad.dk[t * kLd32 + c] *= exp2f(last - bt);
+  }
+  for (int e = tid; e < kStackRows * kTile; e += kGradThreads) {
+    const int r = e >> 6, c = e & 63;
+    // Keys of query block i (rows s < 16i), pivoted at e_{i-1} = 16i - 1.
+    const int i = r < 16 ? 1 : (r < 48 ? 2 : 3);
+    const int s = r - key_stack_row(i);
+    const float pivot_k = sh.b[(16 * i - 1) * kTile + c];
+    sh.key_stack[r * kLd16 + c] = from_float<E>(to_float(sh.k[s * kLd16 + c]) * exp2f(pivot_k - sh.b[s * kTile + c]));
+    // Queries of key block j (rows t >= 16(j+1)), pivoted at e_j = 16j + 15.
+    const int j = r < 48 ? 0 : (r < 80 ? 1 : 2);
+    const int t = 16 * (j + 1) + r - query_stack_row(j);
+    const float pivot_q = sh.b[(16 * j + 15) * kTile + c];
+    sh.query_stack[r * kLd16 + c] = from_float<E>(to_float(sh.q[t * kLd16 + c]) * exp2f(sh.b[t * kTile + c] - pivot_q));
+  }
+  __syncthreads();
+  if (tid < kTile) {
+    float acc = 0.0f;
+    for (int s = 0; s < kChunk; ++s) acc += to_float(sh.k[s * kLd16 + tid]) * sh.u.grad.dk[s * kLd32 + tid];
+    sh.dk_inter_sum[tid] = acc;
+  }
+
+  // ---- off-diagonal blocks of dq: query block i = 1..3, key tile columns kt ----
+  for (int task = warp; task < 12; task += 8) {
+    const int i = 1 + task / 4, kt = task % 4;
+    FragC acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int j = 0; j < i; ++j) {
+      FragA<E> a;
+      FragB<E> bf;
+      wmma::load_matrix_sync(a, sh.dA + 16 * i * kLd16 + 16 * j, kLd16);
+      wmma::load_matrix_sync(bf, sh.key_stack + (key_stack_row(i) + 16 * j) * kLd16 + 16 * kt, kLd16);
+      wmma::mma_sync(acc, a, bf, acc);
+    }
+    wmma::store_matrix_sync(sh.tmp + 16 * i * kLd32 + 16 * kt, acc, kLd32, wmma::mem_row_major);
+  }
+  __syncthreads();
+  for (int e = tid; e < 48 * kTile; e += kGradThreads) {
+    const int t = 16 + (e >> 6), c = e & 63, i = t >> 4;
+    const float pivot = sh.b[(16 * i - 1) * kTile + c];
+    sh.u.grad.dq[t * kLd32 + c] += sh.tmp[t * kLd32 + c] * exp2f(sh.b[t * kTile + c] - pivot);
+  }
+  __syncthreads();
+  // ---- off-diagonal blocks of dk: key block j = 0..2 ----
+  for (int task = warp; task < 12; task += 8) {
+    const int j = task / 4, kt = task % 4;
+    FragC acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int i = j + 1; i < 4; ++i) {
+      FragAT<E> a;  // dA_ijᵀ
+      FragB<E> bf;
+      wmma::load_matrix_sync(a, sh.dA + 16 * i * kLd16 + 16 * j, kLd16);
+      wmma::load_matrix_sync(bf, sh.query_stack + (query_stack_row(j) + 16 * (i - j - 1)) * kLd16 + 16 * kt, kLd16);
+      wmma::mma_sync(acc, a, bf, acc);
+    }
+    wmma::store_matrix_sync(sh.tmp + 16 * j * kLd32 + 16 * kt, acc, kLd32, wmma::mem_row_major);
+  }
+  __syncthreads();
+  for (int e = tid; e < 48 * kTile; e += kGradThreads) {
+    const int s = e >> 6, c = e & 63, j = s >> 4;
+    const float pivot = sh.b[(16 * j + 15) * kTile + c];
+    sh.u.grad.dk[s * kLd32 + c] += sh.tmp[s * kLd32 + c] * exp2f(pivot - sh.b[s * kTile + c]);
+  }
+  __syncthreads();
+
+  // ---- diagonal blocks, element-wise: thread (column c, block i) ----
+  {
+    const int c = tid & 63, i = tid >> 6, r0 = 16 * i;
+    float dk_local[16];
+#pragma unroll
+    for (int s = 0; s < 16; ++s) dk_local[s] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      const float bt = sh.b[(r0 + t) * kTile + c];
+      const float qt = to_float(sh.q[(r0 + t) * kLd16 + c]);
+      float dq_acc = 0.0f;
+#pragma unroll
+      for (int s = 0; s <= t; ++s) {
+        const float f = exp2f(bt - sh.b[(r0 + s) * kTile + c]);
+        const float a = to_float(sh.dA[(r0 + t) * kLd16 + r0 + s]) * f;
+        dq_acc += a * to_float(sh.k[(r0 + s) * kLd16 + c]);
+        dk_local[s] += a * qt;
+      }
+      sh.u.grad.dq[(r0 + t) * kLd32 + c] += dq_acc;
+    }
+#pragma unroll
+    for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
+  }
+  __syncthreads();
+
+  // ---- dg: reverse cumsum of q ⊙ dq - k ⊙ dk plus the chunk-end terms; thread per column ----
+  if (p.dg != nullptr && tid < kTile) {
+    const int c = tid;
+    float acc = exp2f(sh.b[(kChunk - 1) * kTile + c]) * sh.rowsum[c] + sh.dk_inter_sum[c];
+    for (int t = static_cast<int>(rows) - 1; t >= 0; --t) {
+      acc += to_float(sh.q[t * kLd16 + c]) * sh.u.grad.dq[t * kLd32 + c] -
+             to_float(sh.k[t * kLd16 + c]) * sh.u.grad.dk[t * kLd32 + c];
+      sh.tmp[t * kLd32 + c] = c < kv ? acc : 0.0f;
+    }
+  }
+  __syncthreads();
+  if (p.dg != nullptr) {
+    if (p.gate_per_head) {
+      if (tid < rows) {
+        float total = 0.0f;
+        for (int c = 0; c < kTile; ++c) total += sh.tmp[tid * kLd32 + c];
+        const int64_t token = ch.batch * p.T + ch.t0 + tid;
+        if (plan.key_tiles == 1) {
+          detail::store_any(p.dg, ch.batch * p.dg_stride[0] + (ch.t0 + tid) * p.dg_stride[1] + h * p.dg_stride[2],
+                            p.dg_dtype, total);
+        } else {
+          ws.gate_partials[(int64_t(blockIdx.z) * p.B * p.T + token) * p.H + h] = total;
+        }
+      }
+    } else {
+      for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
+        const int t = e >> 6, c = e & 63;
+        if (t < rows && c < kv) {
+          detail::store_any(p.dg, ch.batch * p.dg_stride[0] + (ch.t0 + t) * p.dg_stride[1] + h * p.dg_stride[2] + k0 + c,
+                            p.dg_dtype, sh.tmp[t * kLd32 + c]);
+        }
+      }
+    }
+  }
+  for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
+    const int t = e >> 6, c = e & 63;
+    if (t < rows && c < kv) {
+      const int64_t tok = ch.t0 + t;
+      if (p.dq != nullptr) {
+        static_cast<E*>(p.dq)[ch.batch * p.dq_stride[0] + tok * p.dq_stride[1] + h * p.dq_stride[2] + k0 + c] =
+            from_float<E>(sh.u.grad.dq[t * kLd32 + c]);
+      }
+      if (p.dk != nullptr) {
+        static_cast<E*>(p.dk)[ch.batch * p.dk_stride[0] + tok * p.dk_stride[1] + h * p.dk_stride[2] + k0 + c] =
+            from_float<E>(sh.u.grad.dk[t * kLd32 + c]);
+      }
+    }
+  }
+}
+
+}  // namespace gla::cuda::backward
