@@ -56,6 +56,8 @@ struct BackwardParams {
   int32_t gate_dtype;  // of g
   int32_t dg_dtype;    // of dg
   int32_t gate_per_head;
+  int32_t vector_loads;  // 1: q, k, v, do rows 16-byte aligned, K and V multiples of 8
+  int32_t vector_gate;   // 1: a per-key gate with 16-byte aligned rows and K a multiple of 8
 };
 
 // Where each intermediate lives in the workspace (byte offsets, 256-byte aligned).

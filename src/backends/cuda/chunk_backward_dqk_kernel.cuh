@@ -49,7 +49,6 @@ struct DqkShared {
   alignas(128) float tmp[kChunk * kLd32];
   float rowsum[kTile];
   float dk_inter_sum[kTile];
-  float rowsum_half[kTile];
 };
 
 // grid: (num_chunks, H, key_tiles)
@@ -65,9 +64,16 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
   const ChunkRef ch = locate_chunk(p, ws.chunk_offsets, chunk);
   const int64_t rows = ch.len;
 
-  gate_cumsum(sh.b, p, ch.batch, ch.t0, h, rows, k0, tid, kGradThreads);
-  load_tile<E>(sh.q, p.q, p.q_stride, ch.batch, ch.t0, h, rows, k0, kv, tid, kGradThreads);
-  load_tile<E>(sh.k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, tid, kGradThreads);
+  {
+    GateTile<kGradThreads> gate;
+    Tile16<kGradThreads> q, k;
+    load_gate_tile(gate, p, ch.batch, ch.t0, h, rows, k0, p.vector_gate, tid);
+    load_tile(q, p.q, p.q_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
+    load_tile(k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
+    store_tile(sh.q, q, tid);
+    store_tile(sh.k, k, tid);
+    gate_cumsum(sh.b, gate, tid);
+  }
 
   // ---- over the value tiles: dA = do vᵀ, Pq = do S_cᵀ, Pk = v dS_{c+1}ᵀ, rowsum(S_c ⊙ dS_{c+1}) ----
   FragC acc_dA[2], acc_q[2], acc_k[2];
@@ -76,27 +82,34 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
     wmma::fill_fragment(acc_q[i], 0.0f);
     wmma::fill_fragment(acc_k[i], 0.0f);
   }
-  float rowsum_part[16];
+  // rowsum(S_c ⊙ dS_{c+1}) partials: group i of this thread covers row (tid + 256 i) / 16.
+  float rowsum_part[Tile32<kGradThreads>::kGroups];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) rowsum_part[i] = 0.0f;
+  for (int i = 0; i < Tile32<kGradThreads>::kGroups; ++i) rowsum_part[i] = 0.0f;
   const float* S_c = ws.states + (chunk * p.H + h) * p.K * p.V;
   const float* dS_c = ws.state_grads + (chunk * p.H + h) * p.K * p.V;
   for (int vt = 0; vt < plan.value_tiles; ++vt) {
     const int64_t v0 = int64_t(vt) * kTile;
     const int64_t vv = p.V - v0 < kTile ? p.V - v0 : kTile;
-    load_tile<E>(sh.u.loop.dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, tid, kGradThreads);
-    load_tile<E>(sh.u.loop.v, p.v, p.v_stride, ch.batch, ch.t0, h, rows, v0, vv, tid, kGradThreads);
+    {
+      Tile16<kGradThreads> dO, v;
+      Tile32<kGradThreads> S, dS;
+      load_tile(dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
+      load_tile(v, p.v, p.v_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
+      load_state_tile(S, S_c + k0 * p.V, p.V, kv, v0, vv, tid);
+      load_state_tile(dS, dS_c + k0 * p.V, p.V, kv, v0, vv, tid);
+      store_tile(sh.u.loop.dO, dO, tid);
+      store_tile(sh.u.loop.v, v, tid);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int r = (tid >> 6) + 4 * i, c = tid & 63;
-      float s = 0.0f, ds = 0.0f;
-      if (r < kv && c < vv) {
-        s = S_c[(k0 + r) * p.V + v0 + c];
-        ds = dS_c[(k0 + r) * p.V + v0 + c];
+      for (int i = 0; i < Tile32<kGradThreads>::kGroups; ++i) {
+        const int e = tid + i * kGradThreads, r = e >> 4, c = (e & 15) * 4;
+        const float4 s4 = S.r[i], d4 = dS.r[i];
+        rowsum_part[i] += s4.x * d4.x + s4.y * d4.y + s4.z * d4.z + s4.w * d4.w;
+        E* srow = sh.u.loop.S + r * kLd16 + c;
+        E* drow = sh.u.loop.dS + r * kLd16 + c;
+        srow[0] = from_float<E>(s4.x); srow[1] = from_float<E>(s4.y); srow[2] = from_float<E>(s4.z); srow[3] = from_float<E>(s4.w);
+        drow[0] = from_float<E>(d4.x); drow[1] = from_float<E>(d4.y); drow[2] = from_float<E>(d4.z); drow[3] = from_float<E>(d4.w);
       }
-      rowsum_part[i] += s * ds;
-      sh.u.loop.S[r * kLd16 + c] = from_float<E>(s);
-      sh.u.loop.dS[r * kLd16 + c] = from_float<E>(ds);
     }
     __syncthreads();
     for (int i = 0; i < 2; ++i) {
@@ -116,16 +129,12 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
     }
     __syncthreads();
   }
-  // rowsum: the 64 threads sharing tid >> 6 hold the same rows (two warps).
+  // rowsum: the 16 consecutive lanes sharing a row reduce by shuffles.
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < Tile32<kGradThreads>::kGroups; ++i) {
     float x = rowsum_part[i];
-    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-    rowsum_part[i] = x;
-  }
-  if (lane == 0 && (warp & 1) == 1) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) sh.rowsum_half[(tid >> 6) + 4 * i] = rowsum_part[i];
+    for (int off = 8; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    if ((lane & 15) == 0) sh.rowsum[(tid + i * kGradThreads) >> 4] = x;
   }
   for (int i = 0; i < 2; ++i) {
     const int tile = 2 * warp + i, ti = tile >> 2, tj = tile & 3;
@@ -134,21 +143,13 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
     wmma::store_matrix_sync(sh.tmp + 16 * ti * kLd32 + 16 * tj, acc_dA[i], kLd32, wmma::mem_row_major);
   }
   __syncthreads();
-  if (lane == 0 && (warp & 1) == 0) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int r = (tid >> 6) + 4 * i;
-      sh.rowsum[r] = rowsum_part[i] + sh.rowsum_half[r];
-    }
-  }
-
   // ---- inter-chunk terms, dA in 16 bits, the pivoted stacks ----
   for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
     const int t = e >> 6, c = e & 63;
     const float bt = sh.b[t * kTile + c], last = sh.b[(kChunk - 1) * kTile + c];
     sh.dA[t * kLd16 + c] = from_float<E>(p.scale * sh.tmp[t * kLd32 + c]);
-    sh.u.grad.dq[t * kLd32 + c] *= p.scale * exp2f(bt);
-    sh.u.grad.dk[t * kLd32 + c] *= exp2f(last - bt);
+    sh.u.grad.dq[t * kLd32 + c] *= p.scale * detail::fast_exp2(bt);
+    sh.u.grad.dk[t * kLd32 + c] *= detail::fast_exp2(last - bt);
   }
   for (int e = tid; e < kStackRows * kTile; e += kGradThreads) {
     const int r = e >> 6, c = e & 63;
@@ -156,12 +157,12 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
     const int i = r < 16 ? 1 : (r < 48 ? 2 : 3);
     const int s = r - key_stack_row(i);
     const float pivot_k = sh.b[(16 * i - 1) * kTile + c];
-    sh.key_stack[r * kLd16 + c] = from_float<E>(to_float(sh.k[s * kLd16 + c]) * exp2f(pivot_k - sh.b[s * kTile + c]));
+    sh.key_stack[r * kLd16 + c] = from_float<E>(to_float(sh.k[s * kLd16 + c]) * detail::fast_exp2(pivot_k - sh.b[s * kTile + c]));
     // Queries of key block j (rows t >= 16(j+1)), pivoted at e_j = 16j + 15.
     const int j = r < 48 ? 0 : (r < 80 ? 1 : 2);
     const int t = 16 * (j + 1) + r - query_stack_row(j);
     const float pivot_q = sh.b[(16 * j + 15) * kTile + c];
-    sh.query_stack[r * kLd16 + c] = from_float<E>(to_float(sh.q[t * kLd16 + c]) * exp2f(sh.b[t * kTile + c] - pivot_q));
+    sh.query_stack[r * kLd16 + c] = from_float<E>(to_float(sh.q[t * kLd16 + c]) * detail::fast_exp2(sh.b[t * kTile + c] - pivot_q));
   }
   __syncthreads();
   if (tid < kTile) {
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
   for (int e = tid; e < 48 * kTile; e += kGradThreads) {
     const int t = 16 + (e >> 6), c = e & 63, i = t >> 4;
     const float pivot = sh.b[(16 * i - 1) * kTile + c];
-    sh.u.grad.dq[t * kLd32 + c] += sh.tmp[t * kLd32 + c] * exp2f(sh.b[t * kTile + c] - pivot);
+    sh.u.grad.dq[t * kLd32 + c] += sh.tmp[t * kLd32 + c] * detail::fast_exp2(sh.b[t * kTile + c] - pivot);
   }
   __syncthreads();
   // ---- off-diagonal blocks of dk: key block j = 0..2 ----
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
   for (int e = tid; e < 48 * kTile; e += kGradThreads) {
     const int s = e >> 6, c = e & 63, j = s >> 4;
     const float pivot = sh.b[(16 * j + 15) * kTile + c];
-    sh.u.grad.dk[s * kLd32 + c] += sh.tmp[s * kLd32 + c] * exp2f(pivot - sh.b[s * kTile + c]);
+    sh.u.grad.dk[s * kLd32 + c] += sh.tmp[s * kLd32 + c] * detail::fast_exp2(pivot - sh.b[s * kTile + c]);
   }
   __syncthreads();
 
@@ -226,7 +227,7 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
       float dq_acc = 0.0f;
 #pragma unroll
       for (int s = 0; s <= t; ++s) {
-        const float f = exp2f(bt - sh.b[(r0 + s) * kTile + c]);
+        const float f = detail::fast_exp2(bt - sh.b[(r0 + s) * kTile + c]);
         const float a = to_float(sh.dA[(r0 + t) * kLd16 + r0 + s]) * f;
         dq_acc += a * to_float(sh.k[(r0 + s) * kLd16 + c]);
         dk_local[s] += a * qt;
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
   // ---- dg: reverse cumsum of q ⊙ dq - k ⊙ dk plus the chunk-end terms; thread per column ----
   if (p.dg != nullptr && tid < kTile) {
     const int c = tid;
-    float acc = exp2f(sh.b[(kChunk - 1) * kTile + c]) * sh.rowsum[c] + sh.dk_inter_sum[c];
+    float acc = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + c]) * sh.rowsum[c] + sh.dk_inter_sum[c];
     for (int t = static_cast<int>(rows) - 1; t >= 0; --t) {
       acc += to_float(sh.q[t * kLd16 + c]) * sh.u.grad.dq[t * kLd32 + c] -
              to_float(sh.k[t * kLd16 + c]) * sh.u.grad.dk[t * kLd32 + c];

@@ -16,14 +16,22 @@ struct DvShared {
   alignas(128) float b[kChunk * kTile];
   alignas(128) E q[kChunk * kLd16];
   alignas(128) E k[kChunk * kLd16];
-  alignas(128) E key_stack[kStackRows * kLd16];  // as in dqk_kernel: keys of query block i pivoted at 16i - 1
-  alignas(128) E query_hat[48 * kLd16];          // rows 16..63: q_t ⊙ 2^{b_t - b_{16i - 1}}
-  alignas(128) E key_gated[kChunk * kLd16];      // k_s ⊙ 2^{b_last - b_s}
-  alignas(128) E dS[kTile * kLd16];              // [key][value] of dS_{c+1}
-  alignas(128) E A[kChunk * kLd16];              // [t][s], scale included, zero above the diagonal
-  alignas(128) E dO[kChunk * kLd16];
+  // The key-tile loop's operands, then (aliased: 98 KB in all, two CTAs per SM) A and do.
+  union {
+    struct {
+      alignas(128) E key_stack[kStackRows * kLd16];  // as in dqk_kernel: keys of query block i pivoted at 16i - 1
+      alignas(128) E query_hat[48 * kLd16];          // rows 16..63: q_t ⊙ 2^{b_t - b_{16i - 1}}
+      alignas(128) E key_gated[kChunk * kLd16];      // k_s ⊙ 2^{b_last - b_s}
+      alignas(128) E dS[kTile * kLd16];              // [key][value] of dS_{c+1}
+    } loop;
+    struct {
+      alignas(128) E A[kChunk * kLd16];  // [t][s], scale included, zero above the diagonal
+      alignas(128) E dO[kChunk * kLd16];
+    } post;
+  } u;
   alignas(128) float tmp[kChunk * kLd32];
   float diag[kDiagPairs];
+  float diag_half[2 * kDiagPairs];  // this key tile's pair sums of each of a block's two warps
 };
 
 // Off-diagonal blocks (i, j), j < i, one per warp 0..5.
@@ -34,7 +42,7 @@ __device__ __forceinline__ void off_diagonal_block(int index, int& i, int& j) {
 
 // grid: (num_chunks, H, value_tiles)
 template <typename E>
-__global__ void __launch_bounds__(kGradThreads) dv_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
+__global__ void __launch_bounds__(kGradThreads, 2) dv_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
   namespace wmma = nvcuda::wmma;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   DvShared<E>& sh = *reinterpret_cast<DvShared<E>*>(smem_raw);
@@ -54,30 +62,40 @@ __global__ void __launch_bounds__(kGradThreads) dv_kernel(BackwardParams p, Back
   for (int kt = 0; kt < plan.key_tiles; ++kt) {
     const int64_t k0 = int64_t(kt) * kTile;
     const int64_t kv = p.K - k0 < kTile ? p.K - k0 : kTile;
-    gate_cumsum(sh.b, p, ch.batch, ch.t0, h, rows, k0, tid, kGradThreads);
-    load_tile<E>(sh.q, p.q, p.q_stride, ch.batch, ch.t0, h, rows, k0, kv, tid, kGradThreads);
-    load_tile<E>(sh.k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, tid, kGradThreads);
-    for (int e = tid; e < kTile * kTile; e += kGradThreads) {
-      const int r = e >> 6, c = e & 63;
-      const float x = r < kv && c < vv ? dS_c[(k0 + r) * p.V + v0 + c] : 0.0f;
-      sh.dS[r * kLd16 + c] = from_float<E>(x);
+    {
+      GateTile<kGradThreads> gate;
+      Tile16<kGradThreads> q, k;
+      Tile32<kGradThreads> dS;
+      load_gate_tile(gate, p, ch.batch, ch.t0, h, rows, k0, p.vector_gate, tid);
+      load_tile(q, p.q, p.q_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
+      load_tile(k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
+      load_state_tile(dS, dS_c + k0 * p.V, p.V, kv, v0, vv, tid);
+      store_tile(sh.q, q, tid);
+      store_tile(sh.k, k, tid);
+#pragma unroll
+      for (int i = 0; i < Tile32<kGradThreads>::kGroups; ++i) {
+        const int e = tid + i * kGradThreads, r = e >> 4, c = (e & 15) * 4;
+        E* row = sh.u.loop.dS + r * kLd16 + c;
+        row[0] = from_float<E>(dS.r[i].x); row[1] = from_float<E>(dS.r[i].y);
+        row[2] = from_float<E>(dS.r[i].z); row[3] = from_float<E>(dS.r[i].w);
+      }
+      gate_cumsum(sh.b, gate, tid);
     }
-    __syncthreads();
     for (int e = tid; e < kStackRows * kTile; e += kGradThreads) {
       const int r = e >> 6, c = e & 63;
       const int i = r < 16 ? 1 : (r < 48 ? 2 : 3);
       const int s = r - key_stack_row(i);
       const float pivot = sh.b[(16 * i - 1) * kTile + c];
-      sh.key_stack[r * kLd16 + c] = from_float<E>(to_float(sh.k[s * kLd16 + c]) * exp2f(pivot - sh.b[s * kTile + c]));
+      sh.u.loop.key_stack[r * kLd16 + c] = from_float<E>(to_float(sh.k[s * kLd16 + c]) * detail::fast_exp2(pivot - sh.b[s * kTile + c]));
     }
     for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
       const int t = e >> 6, c = e & 63;
       const float bt = sh.b[t * kTile + c];
-      sh.key_gated[t * kLd16 + c] =
-          from_float<E>(to_float(sh.k[t * kLd16 + c]) * exp2f(sh.b[(kChunk - 1) * kTile + c] - bt));
+      sh.u.loop.key_gated[t * kLd16 + c] =
+          from_float<E>(to_float(sh.k[t * kLd16 + c]) * detail::fast_exp2(sh.b[(kChunk - 1) * kTile + c] - bt));
       if (t >= 16) {
         const float pivot = sh.b[((t & ~15) - 1) * kTile + c];
-        sh.query_hat[(t - 16) * kLd16 + c] = from_float<E>(to_float(sh.q[t * kLd16 + c]) * exp2f(bt - pivot));
+        sh.u.loop.query_hat[(t - 16) * kLd16 + c] = from_float<E>(to_float(sh.q[t * kLd16 + c]) * detail::fast_exp2(bt - pivot));
       }
     }
     __syncthreads();
@@ -87,8 +105,8 @@ __global__ void __launch_bounds__(kGradThreads) dv_kernel(BackwardParams p, Back
       for (int kk = 0; kk < 4; ++kk) {
         FragA<E> a;
         FragBT<E> bf;
-        wmma::load_matrix_sync(a, sh.query_hat + 16 * (i - 1) * kLd16 + 16 * kk, kLd16);
-        wmma::load_matrix_sync(bf, sh.key_stack + (key_stack_row(i) + 16 * j) * kLd16 + 16 * kk, kLd16);
+        wmma::load_matrix_sync(a, sh.u.loop.query_hat + 16 * (i - 1) * kLd16 + 16 * kk, kLd16);
+        wmma::load_matrix_sync(bf, sh.u.loop.key_stack + (key_stack_row(i) + 16 * j) * kLd16 + 16 * kk, kLd16);
         wmma::mma_sync(acc_A, a, bf, acc_A);
       }
     }
@@ -97,26 +115,31 @@ __global__ void __launch_bounds__(kGradThreads) dv_kernel(BackwardParams p, Back
       for (int kk = 0; kk < 4; ++kk) {
         FragA<E> a;
         FragB<E> bf;
-        wmma::load_matrix_sync(a, sh.key_gated + 16 * ti * kLd16 + 16 * kk, kLd16);
-        wmma::load_matrix_sync(bf, sh.dS + 16 * kk * kLd16 + 16 * tj, kLd16);
+        wmma::load_matrix_sync(a, sh.u.loop.key_gated + 16 * ti * kLd16 + 16 * kk, kLd16);
+        wmma::load_matrix_sync(bf, sh.u.loop.dS + 16 * kk * kLd16 + 16 * tj, kLd16);
         wmma::mma_sync(acc_dv[i], a, bf, acc_dv[i]);
       }
     }
-    // Diagonal blocks: warp per pair, lanes over the tile's keys.
-    for (int pair = warp; pair < kDiagPairs; pair += kGradThreads / 32) {
-      const int blk = pair / 136;
-      int r = pair % 136, t = 0;
-      while ((t + 1) * (t + 2) / 2 <= r) ++t;
-      const int s = r - t * (t + 1) / 2;
-      const int T = 16 * blk + t, S = 16 * blk + s;
-      float x = 0.0f;
-      for (int c = lane; c < kTile; c += 32) {
-        x += to_float(sh.q[T * kLd16 + c]) * to_float(sh.k[S * kLd16 + c]) *
-             exp2f(sh.b[T * kTile + c] - sh.b[S * kTile + c]);
+    // Diagonal blocks: warps 2i and 2i+1 hold block i's 64 key columns, a lane one column; each
+    // pair's column terms are summed over the warp by shuffles, then over the two warps in diag.
+    {
+      const int c = tid & 63, blk = tid >> 6, r0 = 16 * blk;
+      const int pair0 = 136 * blk;
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {
+        const float qt = to_float(sh.q[(r0 + t) * kLd16 + c]);
+        const float bt = sh.b[(r0 + t) * kTile + c];
+#pragma unroll
+        for (int s = 0; s <= t; ++s) {
+          float x = qt * to_float(sh.k[(r0 + s) * kLd16 + c]) * detail::fast_exp2(bt - sh.b[(r0 + s) * kTile + c]);
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+          if (lane == 0) sh.diag_half[(warp & 1) * kDiagPairs + pair0 + t * (t + 1) / 2 + s] = x;
+        }
       }
-      for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-      if (lane == 0) sh.diag[pair] += x;
     }
+    __syncthreads();
+    for (int e = tid; e < kDiagPairs; e += kGradThreads) sh.diag[e] += sh.diag_half[e] + sh.diag_half[kDiagPairs + e];
     __syncthreads();
   }
 
@@ -126,7 +149,11 @@ __global__ void __launch_bounds__(kGradThreads) dv_kernel(BackwardParams p, Back
     off_diagonal_block(warp, i, j);
     wmma::store_matrix_sync(sh.tmp + 16 * i * kLd32 + 16 * j, acc_A, kLd32, wmma::mem_row_major);
   }
-  load_tile<E>(sh.dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, tid, kGradThreads);
+  {
+    Tile16<kGradThreads> dO;
+    load_tile(dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
+    store_tile(sh.u.post.dO, dO, tid);
+  }
   __syncthreads();
   for (int e = tid; e < kChunk * kChunk; e += kGradThreads) {
     const int t = e >> 6, s = e & 63, bt = t >> 4, bs = s >> 4;
@@ -137,7 +164,7 @@ __global__ void __launch_bounds__(kGradThreads) dv_kernel(BackwardParams p, Back
       const int tt = t & 15, ss = s & 15;
       a = sh.diag[136 * bt + tt * (tt + 1) / 2 + ss];
     }
-    sh.A[t * kLd16 + s] = from_float<E>(p.scale * a);
+    sh.u.post.A[t * kLd16 + s] = from_float<E>(p.scale * a);
   }
   __syncthreads();
   for (int i = 0; i < 2; ++i) {
@@ -145,8 +172,8 @@ __global__ void __launch_bounds__(kGradThreads) dv_kernel(BackwardParams p, Back
     for (int kk = ti; kk < 4; ++kk) {  // A[t, s] = 0 for t-blocks before s-block ti
       FragAT<E> a;  // Aᵀ
       FragB<E> bf;
-      wmma::load_matrix_sync(a, sh.A + 16 * kk * kLd16 + 16 * ti, kLd16);
-      wmma::load_matrix_sync(bf, sh.dO + 16 * kk * kLd16 + 16 * tj, kLd16);
+      wmma::load_matrix_sync(a, sh.u.post.A + 16 * kk * kLd16 + 16 * ti, kLd16);
+      wmma::load_matrix_sync(bf, sh.u.post.dO + 16 * kk * kLd16 + 16 * tj, kLd16);
       wmma::mma_sync(acc_dv[i], a, bf, acc_dv[i]);
     }
   }

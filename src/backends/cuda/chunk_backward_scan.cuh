@@ -52,33 +52,42 @@ __global__ void __launch_bounds__(kScanThreads) state_scan_kernel(BackwardParams
   __syncthreads();
 
   float* out = reverse ? ws.state_grads : ws.states;
-  for (int64_t step = 0; step < chunks; ++step) {
+  const void* key_src = reverse ? p.q : p.k;
+  const int64_t* key_stride = reverse ? p.q_stride : p.k_stride;
+  const void* value_src = reverse ? p.do_ : p.v;
+  const int64_t* value_stride = reverse ? p.do_stride : p.v_stride;
+  // The next chunk's tiles are in flight while this chunk is computed.
+  GateTile<kScanThreads> gate;
+  Tile16<kScanThreads> keys, values;
+  auto prefetch = [&](int64_t step) {
     const int64_t c = reverse ? chunks - 1 - step : step;
     const int64_t t0 = seq.bos + c * kChunk;
     const int64_t rows = seq.len - c * kChunk < kChunk ? seq.len - c * kChunk : kChunk;
+    load_gate_tile(gate, p, seq.batch, t0, h, rows, k0, p.vector_gate, tid);
+    load_tile(keys, key_src, key_stride, seq.batch, t0, h, rows, k0, kv, p.vector_loads, tid);
+    load_tile(values, value_src, value_stride, seq.batch, t0, h, rows, v0, vv, p.vector_loads, tid);
+  };
+  if (chunks > 0) prefetch(0);
+  for (int64_t step = 0; step < chunks; ++step) {
+    const int64_t c = reverse ? chunks - 1 - step : step;
     // Store the block: S_c forward, dS_{c+1} in reverse.
     float* dst = out + ((first_chunk + c) * p.H + h) * p.K * p.V;
     for (int e = tid; e < kTile * kTile; e += kScanThreads) {
       const int r = e >> 6, col = e & 63;
       if (r < kv && col < vv) dst[(k0 + r) * p.V + v0 + col] = sh.state[r * kLd32 + col];
     }
-    gate_cumsum(sh.b, p, seq.batch, t0, h, rows, k0, tid, kScanThreads);
-    if (reverse) {
-      load_tile<E>(sh.keys, p.q, p.q_stride, seq.batch, t0, h, rows, k0, kv, tid, kScanThreads);
-      load_tile<E>(sh.values, p.do_, p.do_stride, seq.batch, t0, h, rows, v0, vv, tid, kScanThreads);
-    } else {
-      load_tile<E>(sh.keys, p.k, p.k_stride, seq.batch, t0, h, rows, k0, kv, tid, kScanThreads);
-      load_tile<E>(sh.values, p.v, p.v_stride, seq.batch, t0, h, rows, v0, vv, tid, kScanThreads);
-    }
-    __syncthreads();
+    store_tile(sh.keys, keys, tid);
+    store_tile(sh.values, values, tid);
+    gate_cumsum(sh.b, gate, tid);
+    if (step + 1 < chunks) prefetch(step + 1);
     for (int e = tid; e < kChunk * kTile; e += kScanThreads) {
       const int t = e >> 6, col = e & 63;
       const float bt = sh.b[t * kTile + col], last = sh.b[(kChunk - 1) * kTile + col];
-      const float factor = reverse ? p.scale * exp2f(bt) : exp2f(last - bt);
+      const float factor = reverse ? p.scale * detail::fast_exp2(bt) : detail::fast_exp2(last - bt);
       E& x = sh.keys[t * kLd16 + col];
       x = from_float<E>(to_float(x) * factor);
       // The block's row `t` is key t: decay it by the chunk's total.
-      const float decay = exp2f(sh.b[(kChunk - 1) * kTile + t]);
+      const float decay = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + t]);
       sh.state[t * kLd32 + col] *= decay;
     }
     __syncthreads();

@@ -211,6 +211,16 @@ cuda::BackwardParams make_backward_params(const gla_problem& p) {
   b.gate_dtype = element_type(p.gate_dtype);
   b.dg_dtype = b.dg ? element_type(p.dg.dtype) : cuda::kF32;
   b.gate_per_head = p.gate_per_head;
+  bool vec = p.K % 8 == 0 && p.V % 8 == 0;
+  for (const gla_tensor* t : {&p.q, &p.k, &p.v, &p.do_}) {
+    if (!present(*t)) continue;
+    vec = vec && aligned16(t->data);
+    for (int i = 0; i < 3; ++i) vec = vec && t->strides[i] % 8 == 0;
+  }
+  b.vector_loads = vec ? 1 : 0;
+  bool gate_vec = !p.gate_per_head && p.K % 8 == 0 && aligned16(p.g.data);
+  for (int i = 0; i < 3; ++i) gate_vec = gate_vec && p.g.strides[i] % 8 == 0;
+  b.vector_gate = gate_vec ? 1 : 0;
   return b;
 }
 
