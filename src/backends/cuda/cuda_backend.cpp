@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backends/cuda/chunk_forward.hpp"
+#include "backends/cuda/recurrent.hpp"
 #include "core/backend.hpp"
 
 namespace gla {
@@ -192,7 +193,9 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   int priority() const override { return 10; }
   bool serves_device(int32_t device_type) const override { return device_type == GLA_DEVICE_CUDA; }
-  bool implements(int32_t unit) const override { return unit == GLA_UNIT_CHUNK_FWD; }
+  bool implements(int32_t unit) const override {
+    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_RECURRENT_FWD || unit == GLA_UNIT_RECURRENT_BWD;
+  }
 
   Verdict available() const override {
     int count = 0;
@@ -206,6 +209,12 @@ class CudaBackend final : public Backend {
   }
 
   Verdict verify(const gla_problem& p) const override {
+    if (p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD) {
+      const DeviceInfo& d = device_info(p.device_index);
+      if (!d.ok) return Verdict::no("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
+      if (d.major < 8) return Verdict::no("compute capability " + std::to_string(d.major) + "." + std::to_string(d.minor) + " < 8.0");
+      return cuda::verify_recurrent(p);
+    }
     if (p.backward || p.unit != GLA_UNIT_CHUNK_FWD) {
       return Verdict::no("only the chunk forward is implemented on CUDA so far (backward: not yet)");
     }
@@ -240,11 +249,16 @@ class CudaBackend final : public Backend {
   }
 
   size_t workspace_size(const gla_problem& p) const override {
+    if (p.unit == GLA_UNIT_RECURRENT_FWD) return 0;
     const cuda::ForwardParams f = make_params(p);
     return cached_plan(f, p).workspace_bytes;
   }
 
   std::string plan_note(const gla_problem& p) const override {
+    if (p.unit == GLA_UNIT_RECURRENT_FWD) {
+      return "recurrent decode kernel: one CTA per (sequence, head, 32-value tile), " +
+             std::to_string(p.N * p.H * ((p.V + 31) / 32)) + " CTAs, fp32 state tile in registers";
+    }
     const cuda::ForwardParams f = make_params(p);
     const cuda::ForwardPlan plan = cached_plan(f, p);
     if (!plan.use_chunk_kernel) {
@@ -275,6 +289,7 @@ class CudaBackend final : public Backend {
 
   void run(const gla_problem& p) override {
     DeviceGuard guard(p.device_index);
+    if (p.unit == GLA_UNIT_RECURRENT_FWD) return cuda::run_recurrent(p);
     const cuda::ForwardParams f = make_params(p);
     const cuda::ForwardPlan plan = cached_plan(f, p);
     void* workspace = p.workspace;

@@ -1,0 +1,202 @@
+#include "backends/cpu/recurrent.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/parallel.hpp"
+#include "core/recurrent.hpp"
+
+namespace gla::cpu {
+
+namespace {
+
+// States kept every kCheckpointEvery steps in the backward: K*V*(L/64 + 65) floats per head.
+constexpr int64_t kCheckpointEvery = 64;
+
+// One (sequence, head): the token's vectors converted to fp32 once, the state's rows updated
+// with loops over the contiguous value index that the compiler vectorises.
+struct Head {
+  const gla_problem& p;
+  SequenceSpan span;
+  int64_t head;
+  int64_t state_index;
+  std::vector<float> q, k, v, a, b, dout;
+
+  Head(const gla_problem& problem, int64_t n, int64_t h, int64_t index)
+      : p(problem), span(sequence_span(problem, n)), head(h), state_index(index),
+        q(static_cast<size_t>(problem.K)), k(q.size()), v(static_cast<size_t>(problem.V)), a(q.size(), 1.0f),
+        b(v.size(), 1.0f), dout(v.size()) {}
+
+  int64_t token(int64_t step) const { return span.start + recurrent_token(p, span.length, step); }
+  void read(const gla_tensor& t, int64_t tok, std::vector<float>& out) const {
+    const int64_t base = offset4(t, span.batch, tok, head, 0), stride = t.strides[3];
+    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(load_as_double(t, base + static_cast<int64_t>(i) * stride));
+  }
+  void read_decay(const gla_tensor& gate, int64_t tok, std::vector<float>& out) const {
+    if (!present(gate)) return;  // stays 1
+    read(gate, tok, out);
+    for (float& x : out) x = std::exp(x);
+  }
+  void write(const gla_tensor& t, int64_t tok, const float* values, int64_t count, float factor = 1.0f) const {
+    const int64_t base = offset4(t, span.batch, tok, head, 0), stride = t.strides[3];
+    for (int64_t i = 0; i < count; ++i) store_from_double(t, base + i * stride, static_cast<double>(factor * values[i]));
+  }
+  // The token's inputs for the state step: k, v and the decays.
+  void load_step(int64_t tok) {
+    read(p.k, tok, k);
+    read(p.v, tok, v);
+    read_decay(p.g, tok, a);
+    read_decay(p.gv, tok, b);
+  }
+  void load_state(const gla_tensor& t, float* S) const {
+    const int64_t K = p.K, V = p.V;
+    if (!present(t)) {
+      std::fill(S, S + K * V, 0.0f);
+      return;
+    }
+    for (int64_t i = 0; i < K; ++i)
+      for (int64_t j = 0; j < V; ++j) S[i * V + j] = static_cast<float>(load_as_double(t, state_offset(p, t, state_index, head, i, j)));
+  }
+  void store_state(const gla_tensor& t, const float* S) const {
+    for (int64_t i = 0; i < p.K; ++i)
+      for (int64_t j = 0; j < p.V; ++j) store_from_double(t, state_offset(p, t, state_index, head, i, j), S[i * p.V + j]);
+  }
+  void store_token_state(int64_t tok, const float* S) const {
+    for (int64_t i = 0; i < p.K; ++i)
+      for (int64_t j = 0; j < p.V; ++j)
+        store_from_double(p.token_states, token_state_offset(p, span.batch, tok, head, i, j), S ? S[i * p.V + j] : 0.0);
+  }
+};
+
+// S <- Diag(a) S Diag(b) + k v^T, and (o != nullptr) o = q^T S, in one pass over the rows.
+void step(Head& r, float* S, float* o) {
+  const int64_t K = r.p.K, V = r.p.V;
+  const float* b = r.b.data();
+  const float* v = r.v.data();
+  if (o) std::fill(o, o + V, 0.0f);
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * V;
+    const float ai = r.a[static_cast<size_t>(i)], ki = r.k[static_cast<size_t>(i)];
+    for (int64_t j = 0; j < V; ++j) row[j] = ai * b[j] * row[j] + ki * v[j];
+    if (o) {
+      const float qi = r.q[static_cast<size_t>(i)];
+      for (int64_t j = 0; j < V; ++j) o[j] += qi * row[j];
+    }
+  }
+}
+
+void forward_head(Head& r) {
+  const gla_problem& p = r.p;
+  const int64_t K = p.K, V = p.V;
+  std::vector<float> o(static_cast<size_t>(V), 0.0f);
+  if (r.state_index < 0) {  // a skipped pool entry: zeros out, the pool untouched
+    for (int64_t s = 0; s < r.span.length; ++s) {
+      r.write(p.o, r.token(s), o.data(), V);
+      if (present(p.token_states)) r.store_token_state(r.token(s), nullptr);
+    }
+    return;
+  }
+  std::vector<float> S(static_cast<size_t>(K * V));
+  r.load_state(p.initial_state, S.data());
+  for (int64_t s = 0; s < r.span.length; ++s) {
+    const int64_t tok = r.token(s);
+    r.load_step(tok);
+    r.read(p.q, tok, r.q);
+    step(r, S.data(), o.data());
+    r.write(p.o, tok, o.data(), V, static_cast<float>(p.scale));
+    if (present(p.token_states)) r.store_token_state(tok, S.data());
+  }
+  if (present(p.final_state)) r.store_state(p.final_state, S.data());
+}
+
+void backward_head(Head& r) {
+  const gla_problem& p = r.p;
+  const int64_t K = p.K, V = p.V, L = r.span.length;
+  const size_t KV = static_cast<size_t>(K * V);
+  const float scale = static_cast<float>(p.scale);
+  const int64_t blocks = (L + kCheckpointEvery - 1) / kCheckpointEvery;
+  std::vector<float> checkpoints(static_cast<size_t>(blocks) * KV), S(KV);
+  r.load_state(p.initial_state, S.data());
+  for (int64_t s = 0; s < L; ++s) {
+    if (s % kCheckpointEvery == 0) std::copy(S.begin(), S.end(), checkpoints.begin() + (s / kCheckpointEvery) * KV);
+    r.load_step(r.token(s));
+    step(r, S.data(), nullptr);
+  }
+  std::vector<float> dS(KV);
+  r.load_state(p.dht, dS.data());
+  std::vector<float> states(static_cast<size_t>(kCheckpointEvery + 1) * KV);
+  std::vector<float> dq(static_cast<size_t>(K)), dk(dq.size()), dgk(dq.size()), dv(static_cast<size_t>(V)), dgv(dv.size());
+  for (int64_t blk = blocks - 1; blk >= 0; --blk) {
+    const int64_t s0 = blk * kCheckpointEvery, s1 = std::min(L, s0 + kCheckpointEvery);
+    std::copy(checkpoints.begin() + blk * KV, checkpoints.begin() + (blk + 1) * KV, states.begin());
+    for (int64_t s = s0; s < s1; ++s) {
+      float* next = &states[(s - s0 + 1) * KV];
+      std::copy(next - KV, next, next);
+      r.load_step(r.token(s));
+      step(r, next, nullptr);
+    }
+    for (int64_t s = s1 - 1; s >= s0; --s) {
+      const int64_t tok = r.token(s);
+      const float* S_t = &states[(s - s0 + 1) * KV];
+      const float* S_prev = &states[(s - s0) * KV];
+      r.load_step(tok);
+      r.read(p.q, tok, r.q);
+      if (present(p.do_)) {
+        r.read(p.do_, tok, r.dout);
+      } else {
+        std::fill(r.dout.begin(), r.dout.end(), 0.0f);
+      }
+      const float* dout = r.dout.data();
+      const float* v = r.v.data();
+      const float* b = r.b.data();
+      std::fill(dv.begin(), dv.end(), 0.0f);
+      std::fill(dgv.begin(), dgv.end(), 0.0f);
+      for (int64_t i = 0; i < K; ++i) {
+        const float* st = S_t + i * V;
+        const float* sp = S_prev + i * V;
+        float* ds = &dS[static_cast<size_t>(i) * V];
+        const float qi = scale * r.q[static_cast<size_t>(i)], ki = r.k[static_cast<size_t>(i)], ai = r.a[static_cast<size_t>(i)];
+        float acc_q = 0, acc_k = 0, acc_g = 0;
+        for (int64_t j = 0; j < V; ++j) {
+          acc_q += st[j] * dout[j];
+          ds[j] += qi * dout[j];
+          acc_k += ds[j] * v[j];
+          dv[static_cast<size_t>(j)] += ds[j] * ki;
+          const float x = ds[j] * ai * b[j] * sp[j];
+          acc_g += x;
+          dgv[static_cast<size_t>(j)] += x;
+          ds[j] *= ai * b[j];
+        }
+        dq[static_cast<size_t>(i)] = scale * acc_q;
+        dk[static_cast<size_t>(i)] = acc_k;
+        dgk[static_cast<size_t>(i)] = acc_g;
+      }
+      if (present(p.dq)) r.write(p.dq, tok, dq.data(), K);
+      if (present(p.dk)) r.write(p.dk, tok, dk.data(), K);
+      if (present(p.dv)) r.write(p.dv, tok, dv.data(), V);
+      if (present(p.dg)) r.write(p.dg, tok, dgk.data(), K);
+      if (present(p.dgv)) r.write(p.dgv, tok, dgv.data(), V);
+    }
+  }
+  if (present(p.dh0)) r.store_state(p.dh0, dS.data());
+}
+
+}  // namespace
+
+void run_recurrent(const gla_problem& p) {
+  int32_t error_bits = 0;
+  const std::vector<int64_t> index = recurrent_state_indices(p, &error_bits);
+  parallel_for(p.N * p.H, [&](int64_t item) {
+    const int64_t n = item / p.H;
+    Head r(p, n, item % p.H, index[static_cast<size_t>(n)]);
+    if (p.unit == GLA_UNIT_RECURRENT_BWD) {
+      backward_head(r);
+    } else {
+      forward_head(r);
+    }
+  });
+  report_slot_error(p, error_bits);
+}
+
+}  // namespace gla::cpu
