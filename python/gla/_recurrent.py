@@ -113,12 +113,11 @@ def recurrent_bwd(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Opt
                   dht: Optional[Tensor], scale: float, reverse: bool, state_v_first: bool, backend: str,
                   policy: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dgk, dgv (empty without the gate) and dh0 (fp32; empty without an initial state)."""
-    empty = _ops._empty_state(q)
     if _ops._check_float64(q, backend):
         offsets = cu_seqlens.tolist() if cu_seqlens is not None else None
         grads = _recurrent_torch.recurrent_backward(q, k, v, gk, gv, scale, initial_state, offsets, reverse,
                                                     state_v_first, do, dht)
-        return tuple(g if g is not None else empty for g in grads)
+        return tuple(g if g is not None else _ops._empty_state(q) for g in grads)
     lib = _library()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgk = torch.empty_like(gk) if gk is not None else None
@@ -132,16 +131,18 @@ def recurrent_bwd(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Opt
     opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_ops._stream(q.device))
     with _tensors.handed_over(*(t for _, t in named)):
         _lib.raise_for(lib.gla_recurrent_backward(ctypes.byref(args), ctypes.byref(opts)))
-    return tuple(g if g is not None else empty for g in (dq, dk, dv, dgk, dgv, dh0))
+    return tuple(g if g is not None else _ops._empty_state(q) for g in (dq, dk, dv, dgk, dgv, dh0))
 
 
 @recurrent_bwd.register_fake
 def _recurrent_bwd_fake(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht, scale, reverse, state_v_first, backend,
                         policy):
-    empty = q.new_empty(0, dtype=torch.float32)
+    def empty():
+        return q.new_empty(0, dtype=torch.float32)
+
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            gk.new_empty(gk.shape) if gk is not None else empty, gv.new_empty(gv.shape) if gv is not None else empty,
-            initial_state.new_empty(initial_state.shape) if initial_state is not None else empty)
+            gk.new_empty(gk.shape) if gk is not None else empty(), gv.new_empty(gv.shape) if gv is not None else empty(),
+            initial_state.new_empty(initial_state.shape) if initial_state is not None else empty())
 
 
 def _setup_context(ctx, inputs, output):

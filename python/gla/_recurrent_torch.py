@@ -2,8 +2,7 @@
 
 The token loop of SPEC.md §6 with states [N, H, K, V] batched over (sequence, head): any gates,
 either order, varlen (a loop over sequences), the state pool (slots resolved on the device: no host
-synchronisation). The backward differentiates this forward with torch.autograd, so it shares no
-code with the native backends' hand-written backward and checks them independently.
+synchronisation). The backward recomputes the states from checkpoints and walks them in reverse.
 
 Also the float64 path of gla.fused_recurrent_gla (float64 is outside libgla's C ABI).
 """
@@ -42,15 +41,7 @@ def _loop(q, k, v, gk, gv, scale, S, reverse, keep_states=False):
     states: List[Optional[Tensor]] = [None] * L
     order = range(L - 1, -1, -1) if reverse else range(L)
     for t in order:
-        decay = None
-        if gk is not None:
-            decay = torch.exp(gk[:, t].to(S.dtype)).unsqueeze(-1)
-        if gv is not None:
-            b = torch.exp(gv[:, t].to(S.dtype)).unsqueeze(-2)
-            decay = b if decay is None else decay * b
-        if decay is not None:
-            S = S * decay
-        S = S + k[:, t].to(S.dtype).unsqueeze(-1) * v[:, t].to(S.dtype).unsqueeze(-2)
+        S = _step(S, k, v, gk, gv, t)
         outs[t] = scale * torch.einsum("nhk,nhkv->nhv", q[:, t].to(S.dtype), S)
         if keep_states:
             states[t] = S
@@ -89,27 +80,96 @@ def recurrent_forward(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv:
     return o, final
 
 
+# States kept every _CHECKPOINT steps in the backward (the rest recomputed per block).
+_CHECKPOINT = 64
+
+
+def _decay(gk, gv, t, dtype):
+    decay = None
+    if gk is not None:
+        decay = torch.exp(gk[:, t].to(dtype)).unsqueeze(-1)
+    if gv is not None:
+        b = torch.exp(gv[:, t].to(dtype)).unsqueeze(-2)
+        decay = b if decay is None else decay * b
+    return decay
+
+
+def _step(S, k, v, gk, gv, t):
+    decay = _decay(gk, gv, t, S.dtype)
+    if decay is not None:
+        S = S * decay
+    return S + k[:, t].to(S.dtype).unsqueeze(-1) * v[:, t].to(S.dtype).unsqueeze(-2)
+
+
+def _loop_backward(q, k, v, gk, gv, scale, S, reverse, do, dS):
+    """Gradients for one batch of equal-length sequences (see _loop): dq, dk, dv, dgk, dgv and dS of
+    the initial state. Written out (SPEC.md §6 differentiated), as the operator runs below autograd."""
+    L = q.shape[1]
+    order = list(range(L - 1, -1, -1)) if reverse else list(range(L))
+    acc = S.dtype
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk, dv = torch.zeros_like(dq), torch.zeros(v.shape, dtype=acc, device=q.device)
+    dgk = torch.zeros_like(dq) if gk is not None else None
+    dgv = torch.zeros_like(dv) if gv is not None else None
+    checkpoints = []
+    for s, t in enumerate(order):
+        if s % _CHECKPOINT == 0:
+            checkpoints.append(S)
+        S = _step(S, k, v, gk, gv, t)
+    for block in range(len(checkpoints) - 1, -1, -1):
+        s0, s1 = block * _CHECKPOINT, min(L, (block + 1) * _CHECKPOINT)
+        states = [checkpoints[block]]
+        for s in range(s0, s1):
+            states.append(_step(states[-1], k, v, gk, gv, order[s]))
+        for s in range(s1 - 1, s0 - 1, -1):
+            t = order[s]
+            S_t, S_prev = states[s - s0 + 1], states[s - s0]
+            d_o = do[:, t].to(acc) if do is not None else torch.zeros_like(dv[:, t])
+            dq[:, t] = scale * torch.einsum("nhkv,nhv->nhk", S_t, d_o)
+            dS = dS + scale * q[:, t].to(acc).unsqueeze(-1) * d_o.unsqueeze(-2)
+            dk[:, t] = torch.einsum("nhkv,nhv->nhk", dS, v[:, t].to(acc))
+            dv[:, t] = torch.einsum("nhkv,nhk->nhv", dS, k[:, t].to(acc))
+            decay = _decay(gk, gv, t, acc)
+            if decay is not None:
+                x = dS * decay * S_prev
+                if dgk is not None:
+                    dgk[:, t] = x.sum(-1)
+                if dgv is not None:
+                    dgv[:, t] = x.sum(-2)
+                dS = dS * decay
+    return dq, dk, dv, dgk, dgv, dS
+
+
 def recurrent_backward(q, k, v, gk, gv, scale, initial_state, offsets, reverse, state_v_first, do, dht):
-    """dq, dk, dv, dgk, dgv, dh0 (None where the input is absent) by autograd through recurrent_forward."""
-    with torch.enable_grad():
-        inputs = [x.detach().requires_grad_(True) if x is not None else None
-                  for x in (q, k, v, gk, gv, initial_state)]
-        o, final = recurrent_forward(*inputs[:5], scale, inputs[5], offsets, reverse, state_v_first,
-                                     want_final_state=dht is not None)
-        outputs, grads = [o], [do.to(o.dtype) if do is not None else torch.zeros_like(o)]
-        if dht is not None:
-            outputs.append(final)
-            grads.append(dht.to(final.dtype))
-        wanted = [x for x in inputs if x is not None]
-        got = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
-    result, it = [], iter(got)
-    for x in inputs:
-        if x is None:
-            result.append(None)
-        else:
-            g = next(it)
-            result.append(torch.zeros_like(x) if g is None else g)
-    return tuple(result)
+    """dq, dk, dv, dgk, dgv, dh0 (None where the input is absent)."""
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    h0 = _to_key_major(initial_state, state_v_first)
+    ht = _to_key_major(dht, state_v_first)
+    if offsets is None:
+        spans = [(slice(None), slice(None), slice(None))]
+    else:
+        spans = [(slice(0, 1), slice(offsets[n], offsets[n + 1]), slice(n, n + 1)) for n in range(len(offsets) - 1)]
+    grads = [torch.zeros(x.shape, dtype=acc, device=q.device) if x is not None else None for x in (q, k, v, gk, gv)]
+    dh0 = torch.zeros((h0.shape if h0 is not None else (0,)), dtype=acc, device=q.device)
+    for rows, time, seq in spans:
+        n_seq = B if offsets is None else 1
+        S = h0[seq].to(acc) if h0 is not None else q.new_zeros((n_seq, H, K, V), dtype=acc)
+        dS = ht[seq].to(acc) if ht is not None else q.new_zeros((n_seq, H, K, V), dtype=acc)
+        part = lambda x: x[rows, time] if x is not None else None  # noqa: E731
+        got = _loop_backward(part(q), part(k), part(v), part(gk), part(gv), scale, S, reverse, part(do), dS)
+        for g, d in zip(grads, got[:5]):
+            if g is not None:
+                g[rows, time] = d
+        if h0 is not None:
+            dh0[seq] = got[5]
+    out = [g.to(x.dtype) if g is not None else None for g, x in zip(grads, (q, k, v, gk, gv))]
+    if initial_state is None:
+        out.append(None)
+    else:
+        out.append(dh0.transpose(-1, -2) if state_v_first else dh0)
+    return tuple(out)
 
 
 def state_update(q, k, v, gk, gv, scale, pool, slots, slot_error, token_states, state_v_first) -> Tensor:
