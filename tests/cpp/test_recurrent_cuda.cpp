@@ -39,10 +39,14 @@ class OnDevice {
   OnDevice(const OnDevice&) = delete;
   OnDevice& operator=(const OnDevice&) = delete;
   void upload(const HostTensor& h) {
-    if (bytes_) EXPECT_EQ(cudaMemcpy(ptr_, h.bytes.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+    if (bytes_) {
+      EXPECT_EQ(cudaMemcpy(ptr_, h.bytes.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+    }
   }
   void download(HostTensor& h) const {
-    if (bytes_) EXPECT_EQ(cudaMemcpy(h.bytes.data(), ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+    if (bytes_) {
+      EXPECT_EQ(cudaMemcpy(h.bytes.data(), ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
   }
   gla_tensor desc{};
 

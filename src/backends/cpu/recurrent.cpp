@@ -14,6 +14,57 @@ namespace {
 // States kept every kCheckpointEvery steps in the backward: K*V*(L/64 + 65) floats per head.
 constexpr int64_t kCheckpointEvery = 64;
 
+// count elements of t from element `offset` on, `stride` apart, as float (one dtype switch per row).
+void load_row(const gla_tensor& t, int64_t offset, int64_t stride, int64_t count, float* out) {
+  const char* base = static_cast<const char*>(t.data);
+  switch (t.dtype) {
+    case GLA_DTYPE_F32: {
+      const float* x = reinterpret_cast<const float*>(base) + offset;
+      if (stride == 1) {
+        std::copy(x, x + count, out);
+      } else {
+        for (int64_t i = 0; i < count; ++i) out[i] = x[i * stride];
+      }
+      return;
+    }
+    case GLA_DTYPE_BF16: {
+      const uint16_t* x = reinterpret_cast<const uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < count; ++i) out[i] = bf16_to_float(x[i * stride]);
+      return;
+    }
+    case GLA_DTYPE_F16: {
+      const uint16_t* x = reinterpret_cast<const uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < count; ++i) out[i] = f16_to_float(x[i * stride]);
+      return;
+    }
+    default:
+      for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(load_as_double(t, offset + i * stride));
+  }
+}
+
+void store_row(const gla_tensor& t, int64_t offset, int64_t stride, int64_t count, const float* values, float factor) {
+  char* base = static_cast<char*>(t.data);
+  switch (t.dtype) {
+    case GLA_DTYPE_F32: {
+      float* x = reinterpret_cast<float*>(base) + offset;
+      for (int64_t i = 0; i < count; ++i) x[i * stride] = factor * values[i];
+      return;
+    }
+    case GLA_DTYPE_BF16: {
+      uint16_t* x = reinterpret_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < count; ++i) x[i * stride] = float_to_bf16(factor * values[i]);
+      return;
+    }
+    case GLA_DTYPE_F16: {
+      uint16_t* x = reinterpret_cast<uint16_t*>(base) + offset;
+      for (int64_t i = 0; i < count; ++i) x[i * stride] = float_to_f16(factor * values[i]);
+      return;
+    }
+    default:
+      for (int64_t i = 0; i < count; ++i) store_from_double(t, offset + i * stride, static_cast<double>(factor * values[i]));
+  }
+}
+
 // One (sequence, head): the token's vectors converted to fp32 once, the state's rows updated
 // with loops over the contiguous value index that the compiler vectorises.
 struct Head {
@@ -30,8 +81,7 @@ struct Head {
 
   int64_t token(int64_t step) const { return span.start + recurrent_token(p, span.length, step); }
   void read(const gla_tensor& t, int64_t tok, std::vector<float>& out) const {
-    const int64_t base = offset4(t, span.batch, tok, head, 0), stride = t.strides[3];
-    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(load_as_double(t, base + static_cast<int64_t>(i) * stride));
+    load_row(t, offset4(t, span.batch, tok, head, 0), t.strides[3], static_cast<int64_t>(out.size()), out.data());
   }
   void read_decay(const gla_tensor& gate, int64_t tok, std::vector<float>& out) const {
     if (!present(gate)) return;  // stays 1
@@ -39,8 +89,7 @@ struct Head {
     for (float& x : out) x = std::exp(x);
   }
   void write(const gla_tensor& t, int64_t tok, const float* values, int64_t count, float factor = 1.0f) const {
-    const int64_t base = offset4(t, span.batch, tok, head, 0), stride = t.strides[3];
-    for (int64_t i = 0; i < count; ++i) store_from_double(t, base + i * stride, static_cast<double>(factor * values[i]));
+    store_row(t, offset4(t, span.batch, tok, head, 0), t.strides[3], count, values, factor);
   }
   // The token's inputs for the state step: k, v and the decays.
   void load_step(int64_t tok) {
@@ -49,23 +98,56 @@ struct Head {
     read_decay(p.g, tok, a);
     read_decay(p.gv, tok, b);
   }
-  void load_state(const gla_tensor& t, float* S) const {
+  // The backward's scratch states are [K, V] whatever the layout: a state at element `base` with
+  // row / column strides (rs, cs) of its last two dims, transposed on the way with state_v_first.
+  void load_tile(const gla_tensor& t, int64_t base, int64_t rs, int64_t cs, float* S) const {
     const int64_t K = p.K, V = p.V;
-    if (!present(t)) {
-      std::fill(S, S + K * V, 0.0f);
+    if (!p.state_v_first) {
+      for (int64_t i = 0; i < K; ++i) load_row(t, base + i * rs, cs, V, S + i * V);
       return;
     }
-    for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = 0; j < V; ++j) S[i * V + j] = static_cast<float>(load_as_double(t, state_offset(p, t, state_index, head, i, j)));
+    const float* x = static_cast<const float*>(t.data) + base;  // x[j * rs + i * cs] = S[i, j]
+    for (int64_t j = 0; j < V; ++j)
+      for (int64_t i = 0; i < K; ++i) S[i * V + j] = x[j * rs + i * cs];
+  }
+  void store_tile(const gla_tensor& t, int64_t base, int64_t rs, int64_t cs, const float* S) const {
+    const int64_t K = p.K, V = p.V;
+    float* x = static_cast<float*>(t.data) + base;
+    if (!p.state_v_first) {
+      for (int64_t i = 0; i < K; ++i)
+        for (int64_t j = 0; j < V; ++j) x[i * rs + j * cs] = S[i * V + j];
+      return;
+    }
+    for (int64_t j = 0; j < V; ++j)
+      for (int64_t i = 0; i < K; ++i) x[j * rs + i * cs] = S[i * V + j];
+  }
+  // The forward works in the state's own layout ([K, V], or [V, K] with state_v_first): rows are
+  // copied as they are, and the step walks them contiguously (step / step_value_major).
+  void load_native(const gla_tensor& t, float* S) const {
+    const int64_t R = p.state_v_first ? p.V : p.K, C = p.state_v_first ? p.K : p.V;
+    if (!present(t)) {
+      std::fill(S, S + R * C, 0.0f);
+      return;
+    }
+    const int64_t base = state_index * t.strides[0] + head * t.strides[1];
+    for (int64_t r = 0; r < R; ++r) load_row(t, base + r * t.strides[2], t.strides[3], C, S + r * C);
+  }
+  // S == nullptr stores zeros (a skipped pool entry's token states).
+  void store_native(const gla_tensor& t, int64_t base, int64_t rs, int64_t cs, const float* S) const {
+    const int64_t R = p.state_v_first ? p.V : p.K, C = p.state_v_first ? p.K : p.V;
+    float* x = static_cast<float*>(t.data) + base;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) x[r * rs + c * cs] = S ? S[r * C + c] : 0.0f;
+  }
+  void load_state(const gla_tensor& t, float* S) const {
+    if (!present(t)) {
+      std::fill(S, S + p.K * p.V, 0.0f);
+      return;
+    }
+    load_tile(t, state_index * t.strides[0] + head * t.strides[1], t.strides[2], t.strides[3], S);
   }
   void store_state(const gla_tensor& t, const float* S) const {
-    for (int64_t i = 0; i < p.K; ++i)
-      for (int64_t j = 0; j < p.V; ++j) store_from_double(t, state_offset(p, t, state_index, head, i, j), S[i * p.V + j]);
-  }
-  void store_token_state(int64_t tok, const float* S) const {
-    for (int64_t i = 0; i < p.K; ++i)
-      for (int64_t j = 0; j < p.V; ++j)
-        store_from_double(p.token_states, token_state_offset(p, span.batch, tok, head, i, j), S ? S[i * p.V + j] : 0.0);
+    store_tile(t, state_index * t.strides[0] + head * t.strides[1], t.strides[2], t.strides[3], S);
   }
 };
 
@@ -86,6 +168,36 @@ void step(Head& r, float* S, float* o) {
   }
 }
 
+// The same step on a [V, K] state (state_v_first): row j is S[:, j]; o_j is the row's dot product
+// with q, summed in kLanes partial sums so the loop vectorises without reassociation flags.
+void step_value_major(Head& r, float* S, float* o) {
+  constexpr int64_t kLanes = 16;
+  const int64_t K = r.p.K, V = r.p.V;
+  const float* a = r.a.data();
+  const float* k = r.k.data();
+  const float* q = r.q.data();
+  for (int64_t j = 0; j < V; ++j) {
+    float* row = S + j * K;
+    const float bj = r.b[static_cast<size_t>(j)], vj = r.v[static_cast<size_t>(j)];
+    float acc[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= K; i += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const float x = a[i + l] * bj * row[i + l] + k[i + l] * vj;
+        row[i + l] = x;
+        acc[l] += q[i + l] * x;
+      }
+    }
+    for (; i < K; ++i) {
+      row[i] = a[i] * bj * row[i] + k[i] * vj;
+      acc[0] += q[i] * row[i];
+    }
+    float sum = 0;
+    for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+    o[j] = sum;
+  }
+}
+
 void forward_head(Head& r) {
   const gla_problem& p = r.p;
   const int64_t K = p.K, V = p.V;
@@ -93,21 +205,38 @@ void forward_head(Head& r) {
   if (r.state_index < 0) {  // a skipped pool entry: zeros out, the pool untouched
     for (int64_t s = 0; s < r.span.length; ++s) {
       r.write(p.o, r.token(s), o.data(), V);
-      if (present(p.token_states)) r.store_token_state(r.token(s), nullptr);
+      const gla_tensor& ts = p.token_states;
+      if (present(ts)) {
+        r.store_native(ts, r.span.batch * ts.strides[0] + r.token(s) * ts.strides[1] + r.head * ts.strides[2],
+                       ts.strides[3], ts.strides[4], nullptr);
+      }
     }
     return;
   }
-  std::vector<float> S(static_cast<size_t>(K * V));
-  r.load_state(p.initial_state, S.data());
+  // Kept per thread: a fresh 512 KiB state (K256 V512) per item costs an mmap and its page faults.
+  thread_local std::vector<float> S;
+  S.resize(static_cast<size_t>(K * V));
+  r.load_native(p.initial_state, S.data());
+  const gla_tensor& ts = p.token_states;
   for (int64_t s = 0; s < r.span.length; ++s) {
     const int64_t tok = r.token(s);
     r.load_step(tok);
     r.read(p.q, tok, r.q);
-    step(r, S.data(), o.data());
+    if (p.state_v_first) {
+      step_value_major(r, S.data(), o.data());
+    } else {
+      step(r, S.data(), o.data());
+    }
     r.write(p.o, tok, o.data(), V, static_cast<float>(p.scale));
-    if (present(p.token_states)) r.store_token_state(tok, S.data());
+    if (present(ts)) {
+      r.store_native(ts, r.span.batch * ts.strides[0] + tok * ts.strides[1] + r.head * ts.strides[2], ts.strides[3],
+                     ts.strides[4], S.data());
+    }
   }
-  if (present(p.final_state)) r.store_state(p.final_state, S.data());
+  if (present(p.final_state)) {
+    const gla_tensor& t = p.final_state;
+    r.store_native(t, r.state_index * t.strides[0] + r.head * t.strides[1], t.strides[2], t.strides[3], S.data());
+  }
 }
 
 void backward_head(Head& r) {
@@ -125,7 +254,7 @@ void backward_head(Head& r) {
   }
   std::vector<float> dS(KV);
   r.load_state(p.dht, dS.data());
-  std::vector<float> states(static_cast<size_t>(kCheckpointEvery + 1) * KV);
+  std::vector<float> states(static_cast<size_t>(std::min(L, kCheckpointEvery) + 1) * KV);
   std::vector<float> dq(static_cast<size_t>(K)), dk(dq.size()), dgk(dq.size()), dv(static_cast<size_t>(V)), dgv(dv.size());
   for (int64_t blk = blocks - 1; blk >= 0; --blk) {
     const int64_t s0 = blk * kCheckpointEvery, s1 = std::min(L, s0 + kCheckpointEvery);

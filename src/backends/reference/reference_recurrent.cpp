@@ -95,7 +95,7 @@ void backward_head(const RecurrentHead& r) {
   }
   std::vector<double> dS(KV, 0.0);
   load_state(r, p.dht, dS);
-  std::vector<double> states(static_cast<size_t>(kCheckpointEvery + 1) * KV);
+  std::vector<double> states(static_cast<size_t>(std::min(L, kCheckpointEvery) + 1) * KV);
   std::vector<double> dgk(static_cast<size_t>(K)), dgv(static_cast<size_t>(V));
   for (int64_t blk = blocks - 1; blk >= 0; --blk) {
     const int64_t s0 = blk * kCheckpointEvery, s1 = std::min(L, s0 + kCheckpointEvery);
