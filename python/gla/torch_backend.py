@@ -1,7 +1,7 @@
 """The `torch` backend: libgla's chunked operator in PyTorch tensor ops, joined to the native registry.
 
 It is registered through gla_register_backend with ctypes callbacks (name "torch", priority 80, all
-device types, units chunk_fwd and chunk_bwd), so it appears in explain(), serves tensors on devices
+device types, units chunk_fwd, chunk_bwd, recurrent_fwd and recurrent_bwd (_recurrent_torch.py)), so it appears in explain(), serves tensors on devices
 no native backend serves (CUDA backward before the cuda backend has one, Ascend NPU, MPS, XPU) and
 can be forced anywhere. Its run callback turns the problem's descriptors back into torch tensors
 (see _tensors.py), runs `_chunked` on them and writes the results into the output tensors in place,

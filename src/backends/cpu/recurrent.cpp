@@ -154,16 +154,22 @@ struct Head {
 // S <- Diag(a) S Diag(b) + k v^T, and (o != nullptr) o = q^T S, in one pass over the rows.
 void step(Head& r, float* S, float* o) {
   const int64_t K = r.p.K, V = r.p.V;
-  const float* b = r.b.data();
-  const float* v = r.v.data();
-  if (o) std::fill(o, o + V, 0.0f);
+  const float* __restrict__ b = r.b.data();
+  const float* __restrict__ v = r.v.data();
+  float* __restrict__ out = o;
+  if (out) std::fill(out, out + V, 0.0f);
   for (int64_t i = 0; i < K; ++i) {
-    float* row = S + i * V;
+    float* __restrict__ row = S + i * V;
     const float ai = r.a[static_cast<size_t>(i)], ki = r.k[static_cast<size_t>(i)];
-    for (int64_t j = 0; j < V; ++j) row[j] = ai * b[j] * row[j] + ki * v[j];
-    if (o) {
+    if (out) {
       const float qi = r.q[static_cast<size_t>(i)];
-      for (int64_t j = 0; j < V; ++j) o[j] += qi * row[j];
+      for (int64_t j = 0; j < V; ++j) {
+        const float x = ai * b[j] * row[j] + ki * v[j];
+        row[j] = x;
+        out[j] += qi * x;
+      }
+    } else {
+      for (int64_t j = 0; j < V; ++j) row[j] = ai * b[j] * row[j] + ki * v[j];
     }
   }
 }
@@ -173,11 +179,11 @@ void step(Head& r, float* S, float* o) {
 void step_value_major(Head& r, float* S, float* o) {
   constexpr int64_t kLanes = 16;
   const int64_t K = r.p.K, V = r.p.V;
-  const float* a = r.a.data();
-  const float* k = r.k.data();
-  const float* q = r.q.data();
+  const float* __restrict__ a = r.a.data();
+  const float* __restrict__ k = r.k.data();
+  const float* __restrict__ q = r.q.data();
   for (int64_t j = 0; j < V; ++j) {
-    float* row = S + j * K;
+    float* __restrict__ row = S + j * K;
     const float bj = r.b[static_cast<size_t>(j)], vj = r.v[static_cast<size_t>(j)];
     float acc[kLanes] = {};
     int64_t i = 0;
