@@ -46,22 +46,6 @@ __global__ void __launch_bounds__(kThreads) recurrent_forward_kernel(const Recur
     length = e - a;
   }
 
-  // The state index; a pool slot out of range, or one an earlier sequence uses, skips the sequence.
-  int64_t state = n;
-  int error = 0;
-  if (p.slots) {
-    const int32_t slot = p.slots[n * p.slot_stride];
-    bool repeated = false;
-    for (int64_t m = tid; m < n; m += kThreads) repeated |= p.slots[m * p.slot_stride] == slot;
-    repeated = __syncthreads_or(repeated);
-    if (slot < 0 || slot >= p.pool_size) {
-      error = 1;  // GLA_SLOT_ERROR_OUT_OF_RANGE
-    } else if (repeated) {
-      error = 2;  // GLA_SLOT_ERROR_REPEATED
-    }
-    state = slot;
-  }
-
   // Element offset of the float4 of register r in a state tensor with strides s (dims 0..2).
   auto state_offset = [&](const int64_t* s, int r, int64_t index) -> int64_t {
     if constexpr (kVFirst) {
@@ -83,8 +67,32 @@ __global__ void __launch_bounds__(kThreads) recurrent_forward_kernel(const Recur
     detail::store_any(p.o, batch * p.o_stride[0] + tok * p.o_stride[1] + h * p.o_stride[2] + j, p.dtype, x);
   };
 
+  // The state index; a pool slot out of range, or one an earlier sequence uses, skips the sequence.
+  // The state tile's loads are issued before the scan for repeats, so the two latencies overlap.
+  int64_t state = n;
+  bool in_range = true;
+  if (p.slots) {
+    state = p.slots[n * p.slot_stride];
+    in_range = state >= 0 && state < p.pool_size;
+  }
   float4 S[kRegs];
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int r = 0; r < kRegs; ++r) {
+    S[r] = p.initial_state && in_range && valid(r) ? load4(p.initial_state + state_offset(p.h0_stride, r, state)) : zero;
+  }
+  int error = 0;
+  if (p.slots) {
+    bool repeated = false;
+    for (int64_t m = tid; m < n; m += kThreads) repeated |= p.slots[m * p.slot_stride] == state;
+    repeated = __syncthreads_or(repeated);
+    if (!in_range) {
+      error = 1;  // GLA_SLOT_ERROR_OUT_OF_RANGE
+    } else if (repeated) {
+      error = 2;  // GLA_SLOT_ERROR_REPEATED
+    }
+  }
+
   if (error) {
     for (int64_t step = 0; step < length; ++step) {
       const int64_t tok = bos + step;
@@ -99,11 +107,6 @@ __global__ void __launch_bounds__(kThreads) recurrent_forward_kernel(const Recur
     }
     if (tid == 0 && blockIdx.x % value_tiles == 0 && h == 0) atomicOr(p.slot_error, error);
     return;
-  }
-
-#pragma unroll
-  for (int r = 0; r < kRegs; ++r) {
-    S[r] = p.initial_state && valid(r) ? load4(p.initial_state + state_offset(p.h0_stride, r, state)) : zero;
   }
 
   for (int64_t step = 0; step < length; ++step) {
