@@ -64,8 +64,14 @@ def _ptrs(descs):
     return [ctypes.pointer(d) if d is not None else None for d in descs]
 
 
-def _opt_tensor(t: Optional[Tensor]) -> Optional[Tensor]:
-    return t if t is not None and t.numel() > 0 else None
+def _call(entry: str, args_type, named, last: int, q: Tensor, scale: float, state_v_first: bool, backend: str,
+          policy: int) -> None:
+    """Runs the C entry point on the named tensors (in the args struct's order) plus its trailing int."""
+    lib = _library()
+    args = args_type(*_ptrs(_describe(named)), int(last))
+    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_ops._stream(q.device))
+    with _tensors.handed_over(*(t for _, t in named)):
+        _lib.raise_for(getattr(lib, entry)(ctypes.byref(args), ctypes.byref(opts)))
 
 
 # ---- gla::recurrent_fwd ----
@@ -80,17 +86,13 @@ def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Opt
         o, ht = _recurrent_torch.recurrent_forward(q, k, v, gk, gv, scale, initial_state, offsets, reverse,
                                                    state_v_first, output_final_state)
         return o.to(v.dtype), (ht.clone() if ht is not None else _ops._empty_state(q))
-    lib = _library()
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     final = (torch.empty(_ops._state_shape(q, v, N, state_v_first), dtype=torch.float32, device=q.device)
              if output_final_state else None)
-    host = _ops._host_offsets(cu_seqlens, None)
     named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", host), ("o", o), ("final_state", final))
-    args = RecurrentForwardArgs(*_ptrs(_describe(named)), int(reverse))
-    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_ops._stream(q.device))
-    with _tensors.handed_over(*(t for _, t in named)):
-        _lib.raise_for(lib.gla_recurrent_forward(ctypes.byref(args), ctypes.byref(opts)))
+             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ops._host_offsets(cu_seqlens, None)), ("o", o),
+             ("final_state", final))
+    _call("gla_recurrent_forward", RecurrentForwardArgs, named, reverse, q, scale, state_v_first, backend, policy)
     return o, (final if final is not None else _ops._empty_state(q))
 
 
@@ -118,19 +120,14 @@ def recurrent_bwd(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Opt
         grads = _recurrent_torch.recurrent_backward(q, k, v, gk, gv, scale, initial_state, offsets, reverse,
                                                     state_v_first, do, dht)
         return tuple(g if g is not None else _ops._empty_state(q) for g in grads)
-    lib = _library()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgk = torch.empty_like(gk) if gk is not None else None
     dgv = torch.empty_like(gv) if gv is not None else None
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    host = _ops._host_offsets(cu_seqlens, None)
     named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", host), ("do", do), ("dht", dht), ("dq", dq),
-             ("dk", dk), ("dv", dv), ("dgk", dgk), ("dgv", dgv), ("dh0", dh0))
-    args = RecurrentBackwardArgs(*_ptrs(_describe(named)), int(reverse))
-    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_ops._stream(q.device))
-    with _tensors.handed_over(*(t for _, t in named)):
-        _lib.raise_for(lib.gla_recurrent_backward(ctypes.byref(args), ctypes.byref(opts)))
+             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ops._host_offsets(cu_seqlens, None)), ("do", do),
+             ("dht", dht), ("dq", dq), ("dk", dk), ("dv", dv), ("dgk", dgk), ("dgv", dgv), ("dh0", dh0))
+    _call("gla_recurrent_backward", RecurrentBackwardArgs, named, reverse, q, scale, state_v_first, backend, policy)
     return tuple(g if g is not None else _ops._empty_state(q) for g in (dq, dk, dv, dgk, dgv, dh0))
 
 
@@ -172,7 +169,6 @@ def recurrent_state_update_op(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tens
                               state_v_first: bool, output_token_states: bool, check_slots: bool, backend: str,
                               policy: int) -> Tuple[Tensor, Tensor]:
     """o [B, T, H, V] and the token states (empty unless output_token_states); the pool and the flag in place."""
-    lib = _library()
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     token_states = None
     if output_token_states:
@@ -182,10 +178,7 @@ def recurrent_state_update_op(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tens
                                    device=q.device)
     named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("state_pool", state_pool),
              ("state_slots", state_slots), ("slot_error", slot_error), ("o", o), ("token_states", token_states))
-    args = StateUpdateArgs(*_ptrs(_describe(named)), int(check_slots))
-    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_ops._stream(q.device))
-    with _tensors.handed_over(*(t for _, t in named)):
-        _lib.raise_for(lib.gla_recurrent_state_update(ctypes.byref(args), ctypes.byref(opts)))
+    _call("gla_recurrent_state_update", StateUpdateArgs, named, check_slots, q, scale, state_v_first, backend, policy)
     return o, (token_states if token_states is not None else _ops._empty_state(q))
 
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/backend.hpp"
+#include "core/parallel.hpp"
 
 namespace gla {
 
@@ -51,6 +52,16 @@ inline void report_slot_error(const gla_problem& p, int32_t bits) {
   std::memcpy(&flag, p.slot_error.data, 4);
   flag |= bits;
   std::memcpy(p.slot_error.data, &flag, 4);
+}
+
+// Runs body(n, h, state_index) for every (sequence, head) of p on the host threads
+// (parallel_for), with the state indices resolved first and the skipped slots reported after.
+template <class Body>
+void for_each_recurrent_head(const gla_problem& p, Body&& body) {
+  int32_t error_bits = 0;
+  const std::vector<int64_t> index = recurrent_state_indices(p, &error_bits);
+  parallel_for(p.N * p.H, [&](int64_t item) { body(item / p.H, item % p.H, index[static_cast<size_t>(item / p.H)]); });
+  report_slot_error(p, error_bits);
 }
 
 // Element offset of token_states entry (batch b, token t, head h, key i, value j).

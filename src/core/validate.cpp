@@ -289,6 +289,41 @@ void check_like(const char* name, const gla_tensor& t, const gla_tensor& like, c
   check_same_device(name, t, p.q);
 }
 
+// o of a forward: required for a call; for explain() without one, the contiguous output the operator
+// would be given, so verifiers that check output strides give the verdict of a real call.
+void set_output(gla_problem& p, const gla_tensor* o, bool metadata_only) {
+  if (o) {
+    check_descriptor("o", *o, metadata_only);
+    check_dtype("o", *o, p.dtype, " (same as v)");
+    check_shape("o", *o, {p.B, p.T, p.H, p.V}, "[B, T, H, V]");
+    check_same_device("o", *o, p.q);
+    p.o = *o;
+  } else if (!metadata_only) {
+    invalid("o: required output tensor is missing (got NULL)");
+  } else {
+    p.o = make_tensor(nullptr, p.dtype, p.device_type, p.device_index, {p.B, p.T, p.H, p.V});
+  }
+}
+
+// A backward's do, dht and dq, dk, dv (each optional).
+void set_backward_tensors(gla_problem& p, const gla_tensor* dout, const gla_tensor* dht, const gla_tensor* dq,
+                          const gla_tensor* dk, const gla_tensor* dv, bool metadata_only) {
+  if (dout) {
+    check_descriptor("do", *dout, metadata_only);
+    check_dtype("do", *dout, p.dtype, " (same as v)");
+    check_shape("do", *dout, {p.B, p.T, p.H, p.V}, "[B, T, H, V] like o");
+    check_same_device("do", *dout, p.q);
+    p.do_ = *dout;
+  }
+  if (dht) {
+    check_state_like("dht", *dht, p, metadata_only);
+    p.dht = *dht;
+  }
+  if (dq) { check_like("dq", *dq, p.q, "q", p, metadata_only); p.dq = *dq; }
+  if (dk) { check_like("dk", *dk, p.k, "k", p, metadata_only); p.dk = *dk; }
+  if (dv) { check_like("dv", *dv, p.v, "v", p, metadata_only); p.dv = *dv; }
+}
+
 }  // namespace
 
 gla_options read_options(const gla_options* options) {
@@ -379,19 +414,7 @@ PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_op
   gla_problem& p = out.problem;
   p.unit = GLA_UNIT_CHUNK_FWD;
   p.backward = 0;
-  if (args->o) {
-    check_descriptor("o", *args->o, metadata_only);
-    check_dtype("o", *args->o, p.dtype, " (same as v)");
-    check_shape("o", *args->o, {p.B, p.T, p.H, p.V}, "[B, T, H, V]");
-    check_same_device("o", *args->o, p.q);
-    p.o = *args->o;
-  } else if (!metadata_only) {
-    invalid("o: required output tensor is missing (got NULL)");
-  } else {
-    // explain() without an output: describe the one the operator would be given (contiguous), so
-    // verifiers that check output strides give the verdict of a real call.
-    p.o = make_tensor(nullptr, p.dtype, p.device_type, p.device_index, {p.B, p.T, p.H, p.V});
-  }
+  set_output(p, args->o, metadata_only);
   if (args->final_state) {
     check_state_like("final_state", *args->final_state, p, metadata_only);
     p.final_state = *args->final_state;
@@ -413,20 +436,7 @@ PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_
   gla_problem& p = out.problem;
   p.unit = GLA_UNIT_CHUNK_BWD;
   p.backward = 1;
-  if (args->do_) {
-    check_descriptor("do", *args->do_, metadata_only);
-    check_dtype("do", *args->do_, p.dtype, " (same as v)");
-    check_shape("do", *args->do_, {p.B, p.T, p.H, p.V}, "[B, T, H, V] like o");
-    check_same_device("do", *args->do_, p.q);
-    p.do_ = *args->do_;
-  }
-  if (args->dht) {
-    check_state_like("dht", *args->dht, p, metadata_only);
-    p.dht = *args->dht;
-  }
-  if (args->dq) { check_like("dq", *args->dq, p.q, "q", p, metadata_only); p.dq = *args->dq; }
-  if (args->dk) { check_like("dk", *args->dk, p.k, "k", p, metadata_only); p.dk = *args->dk; }
-  if (args->dv) { check_like("dv", *args->dv, p.v, "v", p, metadata_only); p.dv = *args->dv; }
+  set_backward_tensors(p, args->do_, args->dht, args->dq, args->dk, args->dv, metadata_only);
   if (args->dg) {
     const gla_tensor& dg = *args->dg;
     check_descriptor("dg", dg, metadata_only);
@@ -527,9 +537,18 @@ void check_gate_gradient(const char* name, const gla_tensor& d, const gla_tensor
   check_same_device(name, d, p.q);
 }
 
-void set_reverse(gla_problem& p, int32_t reverse) {
+// q, k, v, the optional gates (gk in `g`), initial state and sequences of a recurrent call.
+void prepare_recurrent_common(PreparedProblem& out, CommonInputs in, const gla_tensor* gv, int32_t reverse, int32_t unit,
+                              const gla_options& options, bool metadata_only) {
+  in.gate_optional = true;
+  in.gate_name = "gk";
+  prepare_common(out, in, options, metadata_only);
+  gla_problem& p = out.problem;
+  p.unit = unit;
+  p.backward = unit == GLA_UNIT_RECURRENT_BWD;
   if (reverse != 0 && reverse != 1) invalid("reverse: expected 0 or 1, got " + std::to_string(reverse));
   p.reverse = reverse;
+  check_value_gate(gv, out, metadata_only);
 }
 
 }  // namespace
@@ -538,26 +557,10 @@ PreparedProblem prepare_recurrent_forward(const gla_recurrent_forward_args* args
                                           bool metadata_only) {
   if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
   PreparedProblem out;
-  CommonInputs in{args->q, args->k, args->v, args->gk, args->initial_state, args->cu_seqlens, args->cu_seqlens_host};
-  in.gate_optional = true;
-  in.gate_name = "gk";
-  prepare_common(out, in, options, metadata_only);
+  prepare_recurrent_common(out, {args->q, args->k, args->v, args->gk, args->initial_state, args->cu_seqlens, args->cu_seqlens_host},
+                           args->gv, args->reverse, GLA_UNIT_RECURRENT_FWD, options, metadata_only);
   gla_problem& p = out.problem;
-  p.unit = GLA_UNIT_RECURRENT_FWD;
-  p.backward = 0;
-  set_reverse(p, args->reverse);
-  check_value_gate(args->gv, out, metadata_only);
-  if (args->o) {
-    check_descriptor("o", *args->o, metadata_only);
-    check_dtype("o", *args->o, p.dtype, " (same as v)");
-    check_shape("o", *args->o, {p.B, p.T, p.H, p.V}, "[B, T, H, V]");
-    check_same_device("o", *args->o, p.q);
-    p.o = *args->o;
-  } else if (!metadata_only) {
-    invalid("o: required output tensor is missing (got NULL)");
-  } else {
-    p.o = make_tensor(nullptr, p.dtype, p.device_type, p.device_index, {p.B, p.T, p.H, p.V});
-  }
+  set_output(p, args->o, metadata_only);
   if (args->final_state) {
     check_state_like("final_state", *args->final_state, p, metadata_only);
     p.final_state = *args->final_state;
@@ -570,29 +573,10 @@ PreparedProblem prepare_recurrent_backward(const gla_recurrent_backward_args* ar
                                            bool metadata_only) {
   if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
   PreparedProblem out;
-  CommonInputs in{args->q, args->k, args->v, args->gk, args->initial_state, args->cu_seqlens, args->cu_seqlens_host};
-  in.gate_optional = true;
-  in.gate_name = "gk";
-  prepare_common(out, in, options, metadata_only);
+  prepare_recurrent_common(out, {args->q, args->k, args->v, args->gk, args->initial_state, args->cu_seqlens, args->cu_seqlens_host},
+                           args->gv, args->reverse, GLA_UNIT_RECURRENT_BWD, options, metadata_only);
   gla_problem& p = out.problem;
-  p.unit = GLA_UNIT_RECURRENT_BWD;
-  p.backward = 1;
-  set_reverse(p, args->reverse);
-  check_value_gate(args->gv, out, metadata_only);
-  if (args->do_) {
-    check_descriptor("do", *args->do_, metadata_only);
-    check_dtype("do", *args->do_, p.dtype, " (same as v)");
-    check_shape("do", *args->do_, {p.B, p.T, p.H, p.V}, "[B, T, H, V] like o");
-    check_same_device("do", *args->do_, p.q);
-    p.do_ = *args->do_;
-  }
-  if (args->dht) {
-    check_state_like("dht", *args->dht, p, metadata_only);
-    p.dht = *args->dht;
-  }
-  if (args->dq) { check_like("dq", *args->dq, p.q, "q", p, metadata_only); p.dq = *args->dq; }
-  if (args->dk) { check_like("dk", *args->dk, p.k, "k", p, metadata_only); p.dk = *args->dk; }
-  if (args->dv) { check_like("dv", *args->dv, p.v, "v", p, metadata_only); p.dv = *args->dv; }
+  set_backward_tensors(p, args->do_, args->dht, args->dq, args->dk, args->dv, metadata_only);
   if (args->dgk) { check_gate_gradient("dgk", *args->dgk, p.g, "gk", p, metadata_only); p.dg = *args->dgk; }
   if (args->dgv) { check_gate_gradient("dgv", *args->dgv, p.gv, "gv", p, metadata_only); p.dgv = *args->dgv; }
   if (args->dh0) {
@@ -611,14 +595,9 @@ PreparedProblem prepare_recurrent_state_update(const gla_recurrent_state_update_
                                                bool metadata_only) {
   if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
   PreparedProblem out;
-  CommonInputs in{args->q, args->k, args->v, args->gk, nullptr, nullptr, nullptr};
-  in.gate_optional = true;
-  in.gate_name = "gk";
-  prepare_common(out, in, options, metadata_only);
+  prepare_recurrent_common(out, {args->q, args->k, args->v, args->gk, nullptr, nullptr, nullptr}, args->gv, 0,
+                           GLA_UNIT_RECURRENT_FWD, options, metadata_only);
   gla_problem& p = out.problem;
-  p.unit = GLA_UNIT_RECURRENT_FWD;
-  p.backward = 0;
-  check_value_gate(args->gv, out, metadata_only);
 
   const gla_tensor& pool = required("state_pool", args->state_pool);
   check_descriptor("state_pool", pool, metadata_only);
@@ -647,17 +626,7 @@ PreparedProblem prepare_recurrent_state_update(const gla_recurrent_state_update_
     invalid("check_slots: expected 0 or 1, got " + std::to_string(args->check_slots));
   }
   out.check_slots = args->check_slots == 1;
-  if (args->o) {
-    check_descriptor("o", *args->o, metadata_only);
-    check_dtype("o", *args->o, p.dtype, " (same as v)");
-    check_shape("o", *args->o, {p.B, p.T, p.H, p.V}, "[B, T, H, V]");
-    check_same_device("o", *args->o, p.q);
-    p.o = *args->o;
-  } else if (!metadata_only) {
-    invalid("o: required output tensor is missing (got NULL)");
-  } else {
-    p.o = make_tensor(nullptr, p.dtype, p.device_type, p.device_index, {p.B, p.T, p.H, p.V});
-  }
+  set_output(p, args->o, metadata_only);
   p.initial_state = pool;
   p.state_slots = slots;
   p.slot_error = error;

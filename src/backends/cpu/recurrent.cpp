@@ -4,7 +4,6 @@
 #include <cmath>
 #include <vector>
 
-#include "core/parallel.hpp"
 #include "core/recurrent.hpp"
 
 namespace gla::cpu {
@@ -320,18 +319,14 @@ void backward_head(Head& r) {
 }  // namespace
 
 void run_recurrent(const gla_problem& p) {
-  int32_t error_bits = 0;
-  const std::vector<int64_t> index = recurrent_state_indices(p, &error_bits);
-  parallel_for(p.N * p.H, [&](int64_t item) {
-    const int64_t n = item / p.H;
-    Head r(p, n, item % p.H, index[static_cast<size_t>(n)]);
+  for_each_recurrent_head(p, [&](int64_t n, int64_t h, int64_t state_index) {
+    Head r(p, n, h, state_index);
     if (p.unit == GLA_UNIT_RECURRENT_BWD) {
       backward_head(r);
     } else {
       forward_head(r);
     }
   });
-  report_slot_error(p, error_bits);
 }
 
 }  // namespace gla::cpu

@@ -5,7 +5,6 @@
 #include <vector>
 
 #include "backends/reference/reference_backend.hpp"
-#include "core/parallel.hpp"
 #include "core/recurrent.hpp"
 
 namespace gla {
@@ -160,18 +159,14 @@ void backward_head(const RecurrentHead& r) {
 }  // namespace
 
 void run_reference_recurrent(const gla_problem& p) {
-  int32_t error_bits = 0;
-  const std::vector<int64_t> index = recurrent_state_indices(p, &error_bits);
-  parallel_for(p.N * p.H, [&](int64_t item) {
-    const int64_t n = item / p.H;
-    const RecurrentHead r{p, sequence_span(p, n), item % p.H, index[static_cast<size_t>(n)]};
+  for_each_recurrent_head(p, [&](int64_t n, int64_t h, int64_t state_index) {
+    const RecurrentHead r{p, sequence_span(p, n), h, state_index};
     if (p.unit == GLA_UNIT_RECURRENT_BWD) {
       backward_head(r);
     } else {
       forward_head(r);
     }
   });
-  report_slot_error(p, error_bits);
 }
 
 }  // namespace gla
