@@ -99,13 +99,9 @@ def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Opt
 @recurrent_fwd.register_fake
 def _recurrent_fwd_fake(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first,
                         output_final_state, backend, policy):
-    torch._check(q.dim() == 4, lambda: f"q: expected shape [B, T, H, K], got {list(q.shape)}")
-    torch._check(v.dim() == 4, lambda: f"v: expected shape [B, T, H, V], got {list(v.shape)}")
-    o = v.new_empty(v.shape)
-    if not output_final_state:
-        return o, q.new_empty(0, dtype=torch.float32)
-    N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
-    return o, q.new_empty(_ops._state_shape(q, v, N, state_v_first), dtype=torch.float32)
+    # The outputs have the chunked operator's metadata (its fake reads no gate).
+    return _ops._chunk_fwd_fake(q, k, v, None, initial_state, cu_seqlens, None, scale, state_v_first,
+                                output_final_state, backend, policy)
 
 
 # ---- gla::recurrent_bwd ----

@@ -254,3 +254,15 @@ def test_cuda_state_update_graph_replay():
     want_o, want_pool = pool_reference({n: (t.cpu() if t is not None else None) for n, t in fresh.items()},
                                        before.cpu(), slots.tolist(), True)
     assert rel(o.cpu(), want_o) < 5e-3 and rel(pool.cpu(), want_pool) < 1e-5 and error.item() == 0
+
+
+def test_operators_pass_opcheck():
+    inputs = make(2, 3, 2, 8, 8, gk=True, gv=True)
+    args = (inputs["q"], inputs["k"], inputs["v"], inputs["gk"], inputs["gv"], inputs["initial_state"], None,
+            8 ** -0.5, False, False, True, "", 0)
+    torch.library.opcheck(torch.ops.gla.recurrent_fwd.default, args)
+    pool = torch.randn(4, 2, 8, 8)
+    update = (inputs["q"], inputs["k"], inputs["v"], inputs["gk"], None, pool, torch.tensor([1, 3], dtype=torch.int32),
+              torch.zeros(1, dtype=torch.int32), 8 ** -0.5, False, False, False, "", 0)
+    torch.library.opcheck(torch.ops.gla.recurrent_state_update.default, update,
+                          test_utils=("test_schema", "test_faketensor"))
