@@ -51,6 +51,28 @@ TEST(Recurrent, CpuMatchesReferenceOnGrid) {
   }
 }
 
+// g = -inf is a hard reset (SPEC.md §3 rule 8): finite results, equal on cpu and reference.
+TEST(Recurrent, InfiniteGatesResetTheState) {
+  RecurrentCase c;
+  c.base.B = 2; c.base.T = 20; c.base.H = 2; c.base.K = 16; c.base.V = 8; c.base.seed = 31;
+  c.gv = true;
+  RecurrentInputs r = make_recurrent_inputs(c);
+  for (int64_t i = 0; i < r.in.g.size(); i += 5) r.in.g.set(i, -INFINITY);
+  for (int64_t i = 0; i < r.gv.size(); i += 7) r.gv.set(i, -INFINITY);
+  Outputs ref, got;
+  HostTensor ref_dgv, got_dgv;
+  ASSERT_EQ(run_recurrent_forward(r, ref, "reference"), GLA_STATUS_OK) << gla_last_error();
+  ASSERT_EQ(run_recurrent_forward(r, got, "cpu"), GLA_STATUS_OK) << gla_last_error();
+  ASSERT_EQ(run_recurrent_backward(r, ref, ref_dgv, "reference"), GLA_STATUS_OK) << gla_last_error();
+  ASSERT_EQ(run_recurrent_backward(r, got, got_dgv, "cpu"), GLA_STATUS_OK) << gla_last_error();
+  for (const HostTensor* t : {&ref.o, &ref.ht, &ref.dq, &ref.dk, &ref.dv, &ref.dg, &ref_dgv, &ref.dh0}) {
+    EXPECT_TRUE(all_finite(*t));
+  }
+  std::string report;
+  EXPECT_LT(max_error(got, ref, true, report), host_tolerance(GLA_DTYPE_F32)) << report;
+  EXPECT_LT(rel_rms(got_dgv, ref_dgv), host_tolerance(GLA_DTYPE_F32));
+}
+
 // gk only, in order: the recurrent operator is the chunked one (SPEC.md §1 and §6), for the
 // reference and the cpu backend, forward and backward.
 TEST(Recurrent, AgreesWithChunkedOperator) {
