@@ -1,10 +1,11 @@
 // The recurrent operator (gla.h: gla_recurrent_*) on host memory: the cpu backend against the
 // reference on the recurrent grid (forward and backward), the recurrent and chunked operators on the
 // same inputs, the state pool (repeated, negative and out-of-range slots: skipped, flagged, nothing
-// outside the pool written), token states, the slot check, validation and explain().
+// outside the pool written), token states, the slot check, validation, explain() and the CLI.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -413,6 +414,34 @@ TEST(RecurrentExplain, ShowsUnitsAndDecision) {
   const std::string pool_text = gla::explain(u, gla::Options().state_v_first().backend("reference"));
   EXPECT_NE(pool_text.find("state_pool P=8 [P,H,V,K] (updated in place)"), std::string::npos) << pool_text;
   EXPECT_NE(pool_text.find("decision: reference"), std::string::npos) << pool_text;
+}
+
+}  // namespace
+}  // namespace gla::test
+
+namespace gla::test {
+namespace {
+
+std::string run_cli(const std::string& arguments) {
+  std::string out;
+  FILE* pipe = popen((std::string(GLA_CLI) + " " + arguments + " 2>&1").c_str(), "r");
+  if (!pipe) return out;
+  char buffer[512];
+  while (fgets(buffer, sizeof buffer, pipe)) out += buffer;
+  pclose(pipe);
+  return out;
+}
+
+TEST(RecurrentCli, RunAndExplainTheRecurrentOperator) {
+  const std::string run = run_cli("run --op recurrent --B 1 --T 9 --H 2 --K 8 --V 12 --gv --reverse --repeat 1");
+  EXPECT_NE(run.find("problem: recurrent"), std::string::npos) << run;
+  EXPECT_NE(run.find("dgv"), std::string::npos) << run;
+  EXPECT_NE(run.find("PASS"), std::string::npos) << run;
+  const std::string explain = run_cli("explain --op recurrent --backward --no-gk --gv --B 1 --T 3 --H 1 --K 8 --V 8");
+  EXPECT_NE(explain.find("recurrent_bwd B=1 T=3 H=1 K=8 V=8 N=1 dtype=float32 gk=none gv=float32"), std::string::npos)
+      << explain;
+  EXPECT_NE(explain.find("decision: cpu"), std::string::npos) << explain;
+  EXPECT_NE(run_cli("run --gv").find("need --op recurrent"), std::string::npos);
 }
 
 }  // namespace
