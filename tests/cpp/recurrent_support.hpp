@@ -45,6 +45,19 @@ inline gla_options recurrent_options(const RecurrentInputs& r, const std::string
   return o;
 }
 
+// The inputs every recurrent call struct shares (forward and backward args).
+template <class Args>
+void set_recurrent_inputs(const RecurrentInputs& r, Args& a) {
+  a.q = &r.in.q.t;
+  a.k = &r.in.k.t;
+  a.v = &r.in.v.t;
+  a.gk = r.c.gk ? &r.in.g.t : nullptr;
+  a.gv = r.c.gv ? &r.gv.t : nullptr;
+  a.initial_state = r.in.h0.desc();
+  a.cu_seqlens = r.in.cu.desc();
+  a.reverse = r.c.reverse;
+}
+
 // Forward on fresh NaN-poisoned o (and ht when the case has a final state).
 inline gla_status run_recurrent_forward(const RecurrentInputs& r, Outputs& out, const std::string& backend) {
   const Case& c = r.c.base;
@@ -55,16 +68,9 @@ inline gla_status run_recurrent_forward(const RecurrentInputs& r, Outputs& out, 
     poison(out.ht);
   }
   gla_recurrent_forward_args a{};
-  a.q = &r.in.q.t;
-  a.k = &r.in.k.t;
-  a.v = &r.in.v.t;
-  a.gk = r.c.gk ? &r.in.g.t : nullptr;
-  a.gv = r.c.gv ? &r.gv.t : nullptr;
-  a.initial_state = r.in.h0.desc();
-  a.cu_seqlens = r.in.cu.desc();
+  set_recurrent_inputs(r, a);
   a.o = &out.o.t;
   a.final_state = out.ht.desc();
-  a.reverse = r.c.reverse;
   const gla_options o = recurrent_options(r, backend);
   return gla_recurrent_forward(&a, &o);
 }
@@ -83,13 +89,7 @@ inline gla_status run_recurrent_backward(const RecurrentInputs& r, Outputs& out,
   for (HostTensor* t : {&out.dg, &dgv, &out.dh0})
     if (!t->empty()) poison(*t);
   gla_recurrent_backward_args a{};
-  a.q = &r.in.q.t;
-  a.k = &r.in.k.t;
-  a.v = &r.in.v.t;
-  a.gk = r.c.gk ? &r.in.g.t : nullptr;
-  a.gv = r.c.gv ? &r.gv.t : nullptr;
-  a.initial_state = r.in.h0.desc();
-  a.cu_seqlens = r.in.cu.desc();
+  set_recurrent_inputs(r, a);
   a.do_ = &r.in.dout.t;
   a.dht = c.final_state ? &r.in.dht.t : nullptr;
   a.dq = &out.dq.t;
@@ -98,9 +98,20 @@ inline gla_status run_recurrent_backward(const RecurrentInputs& r, Outputs& out,
   a.dgk = out.dg.desc();
   a.dgv = dgv.desc();
   a.dh0 = out.dh0.desc();
-  a.reverse = r.c.reverse;
   const gla_options o = recurrent_options(r, backend);
   return gla_recurrent_backward(&a, &o);
+}
+
+// Forward and backward of one case on the reference and on `backend` (asserting success).
+struct BothRuns {
+  Outputs ref, got;
+  HostTensor ref_dgv, got_dgv;
+};
+inline void run_against_reference(const RecurrentInputs& r, const std::string& backend, BothRuns& b) {
+  ASSERT_EQ(run_recurrent_forward(r, b.ref, "reference"), GLA_STATUS_OK) << gla_last_error();
+  ASSERT_EQ(run_recurrent_forward(r, b.got, backend), GLA_STATUS_OK) << gla_last_error();
+  ASSERT_EQ(run_recurrent_backward(r, b.ref, b.ref_dgv, "reference"), GLA_STATUS_OK) << gla_last_error();
+  ASSERT_EQ(run_recurrent_backward(r, b.got, b.got_dgv, backend), GLA_STATUS_OK) << gla_last_error();
 }
 
 // The recurrent grid (SPEC.md §5 style, trimmed to a CPU test budget): every gate combination,

@@ -30,12 +30,11 @@ TEST(Recurrent, CpuMatchesReferenceOnGrid) {
     for (const RecurrentCase& c : recurrent_grid(dtype)) {
       SCOPED_TRACE(c.label());
       const RecurrentInputs r = make_recurrent_inputs(c);
-      Outputs ref, got;
-      HostTensor ref_dgv, got_dgv;
-      ASSERT_EQ(run_recurrent_forward(r, ref, "reference"), GLA_STATUS_OK) << gla_last_error();
-      ASSERT_EQ(run_recurrent_forward(r, got, "cpu"), GLA_STATUS_OK) << gla_last_error();
-      ASSERT_EQ(run_recurrent_backward(r, ref, ref_dgv, "reference"), GLA_STATUS_OK) << gla_last_error();
-      ASSERT_EQ(run_recurrent_backward(r, got, got_dgv, "cpu"), GLA_STATUS_OK) << gla_last_error();
+      BothRuns b;
+      run_against_reference(r, "cpu", b);
+      if (HasFatalFailure()) return;
+      const Outputs &ref = b.ref, &got = b.got;
+      const HostTensor &ref_dgv = b.ref_dgv, &got_dgv = b.got_dgv;
       std::string report;
       double err = 0;
       err = std::max(err, compare(got.o, ref.o, "o", report));
@@ -60,18 +59,15 @@ TEST(Recurrent, InfiniteGatesResetTheState) {
   RecurrentInputs r = make_recurrent_inputs(c);
   for (int64_t i = 0; i < r.in.g.size(); i += 5) r.in.g.set(i, -INFINITY);
   for (int64_t i = 0; i < r.gv.size(); i += 7) r.gv.set(i, -INFINITY);
-  Outputs ref, got;
-  HostTensor ref_dgv, got_dgv;
-  ASSERT_EQ(run_recurrent_forward(r, ref, "reference"), GLA_STATUS_OK) << gla_last_error();
-  ASSERT_EQ(run_recurrent_forward(r, got, "cpu"), GLA_STATUS_OK) << gla_last_error();
-  ASSERT_EQ(run_recurrent_backward(r, ref, ref_dgv, "reference"), GLA_STATUS_OK) << gla_last_error();
-  ASSERT_EQ(run_recurrent_backward(r, got, got_dgv, "cpu"), GLA_STATUS_OK) << gla_last_error();
-  for (const HostTensor* t : {&ref.o, &ref.ht, &ref.dq, &ref.dk, &ref.dv, &ref.dg, &ref_dgv, &ref.dh0}) {
+  BothRuns b;
+  run_against_reference(r, "cpu", b);
+  if (HasFatalFailure()) return;
+  for (const HostTensor* t : {&b.ref.o, &b.ref.ht, &b.ref.dq, &b.ref.dk, &b.ref.dv, &b.ref.dg, &b.ref_dgv, &b.ref.dh0}) {
     EXPECT_TRUE(all_finite(*t));
   }
   std::string report;
-  EXPECT_LT(max_error(got, ref, true, report), host_tolerance(GLA_DTYPE_F32)) << report;
-  EXPECT_LT(rel_rms(got_dgv, ref_dgv), host_tolerance(GLA_DTYPE_F32));
+  EXPECT_LT(max_error(b.got, b.ref, true, report), host_tolerance(GLA_DTYPE_F32)) << report;
+  EXPECT_LT(rel_rms(b.got_dgv, b.ref_dgv), host_tolerance(GLA_DTYPE_F32));
 }
 
 // gk only, in order: the recurrent operator is the chunked one (SPEC.md §1 and §6), for the
