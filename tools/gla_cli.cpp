@@ -35,6 +35,9 @@ const char* const kUsage =
     "  --stage-pipeline                  run the stage pipeline even if a backend takes the whole op\n"
     "  --backward                        (explain) explain the backward instead of the forward\n"
     "  --device cpu                      (explain) device type to explain for: cpu or cuda\n"
+    "  --op chunk|recurrent              the chunked operator (default) or the recurrent one\n"
+    "                                    (gla_recurrent_*: the token loop of fused_recurrent_gla)\n"
+    "  --no-gk / --gv / --reverse        (recurrent) no key gate / a value gate / last token first\n"
     "  --repeat N                        (run) timed repetitions (default 3)\n"
     "  --seed N                          (run) random seed (default 0)\n";
 
@@ -43,6 +46,7 @@ struct Config {
   int32_t dtype = GLA_DTYPE_F32;
   bool gate_f32 = false, per_head = false, h0 = true, ht = true, v_first = false, pipeline = false;
   bool backward = false;
+  bool recurrent = false, gk = true, gv = false, reverse = false;
   int32_t device = GLA_DEVICE_CPU;
   std::vector<int64_t> cu;
   std::string backend;
@@ -98,6 +102,13 @@ Config parse(int argc, char** argv, int first) {
     else if (a == "--stage-pipeline") c.pipeline = true;
     else if (a == "--backward") c.backward = true;
     else if (a == "--backend") c.backend = value();
+    else if (a == "--op") {
+      const std::string v = value();
+      if (v != "chunk" && v != "recurrent") usage_error("--op: expected chunk or recurrent, got '" + v + "'");
+      c.recurrent = v == "recurrent";
+    } else if (a == "--no-gk") c.gk = false;
+    else if (a == "--gv") c.gv = true;
+    else if (a == "--reverse") c.reverse = true;
     else if (a == "--repeat") c.repeat = static_cast<int>(std::max<int64_t>(1, integer()));
     else if (a == "--seed") c.seed = static_cast<unsigned>(integer());
     else if (a == "--device") {
@@ -124,6 +135,8 @@ Config parse(int argc, char** argv, int first) {
     if (!t_given) c.T = c.cu.back();
     c.B = 1;
   }
+  if (!c.recurrent && (!c.gk || c.gv || c.reverse)) usage_error("--no-gk, --gv and --reverse need --op recurrent");
+  if (c.recurrent && (c.per_head || c.pipeline)) usage_error("--op recurrent: no --per-head-gate or --stage-pipeline");
   return c;
 }
 
@@ -150,6 +163,7 @@ struct Problem {
   int64_t N;
   Buffer q, k, v, g, h0, dht, dout, cu;
   Buffer o, ht, dq, dk, dv, dg, dh0;
+  Buffer gv, dgv;  // the recurrent operator's value gate
 };
 
 void fill(Buffer& b, std::mt19937_64& rng, int kind) {
@@ -188,9 +202,11 @@ void make_problem(Problem& p, bool with_data) {
   p.dv = Buffer(c.dtype, {c.B, c.T, c.H, c.V}, dev);
   p.dg = c.per_head ? Buffer(gdt, {c.B, c.T, c.H}, dev) : Buffer(gdt, {c.B, c.T, c.H, c.K}, dev);
   p.dh0 = state();
+  p.gv = Buffer(gdt, {c.B, c.T, c.H, c.V}, dev);
+  p.dgv = Buffer(gdt, {c.B, c.T, c.H, c.V}, dev);
   if (!with_data) {
     for (Buffer* b : {&p.q, &p.k, &p.v, &p.g, &p.h0, &p.dht, &p.dout, &p.cu, &p.o, &p.ht, &p.dq, &p.dk, &p.dv,
-                      &p.dg, &p.dh0}) {
+                      &p.dg, &p.dh0, &p.gv, &p.dgv}) {
       b->t.data = nullptr;  // explain reads metadata only
     }
     return;
@@ -203,7 +219,9 @@ void make_problem(Problem& p, bool with_data) {
   fill(p.h0, rng, 1);
   fill(p.dht, rng, 1);
   fill(p.dout, rng, 1);
+  fill(p.gv, rng, 2);
 }
+
 
 gla_chunk_forward_args forward_args(Problem& p) {
   gla_chunk_forward_args a{};
@@ -234,6 +252,46 @@ gla_chunk_backward_args backward_args(Problem& p) {
   a.dg = &p.dg.t;
   a.dh0 = p.c.h0 ? &p.dh0.t : nullptr;
   return a;
+}
+
+gla_recurrent_forward_args recurrent_forward_args(Problem& p) {
+  const gla_chunk_forward_args f = forward_args(p);
+  return {f.q, f.k, f.v, p.c.gk ? f.g : nullptr, p.c.gv ? &p.gv.t : nullptr, f.initial_state, f.cu_seqlens,
+          nullptr, f.o, f.final_state, p.c.reverse};
+}
+
+gla_recurrent_backward_args recurrent_backward_args(Problem& p) {
+  const gla_chunk_backward_args b = backward_args(p);
+  return {b.q, b.k, b.v, p.c.gk ? b.g : nullptr, p.c.gv ? &p.gv.t : nullptr, b.initial_state, b.cu_seqlens, nullptr,
+          b.do_, b.dht, b.dq, b.dk, b.dv, p.c.gk ? b.dg : nullptr, p.c.gv ? &p.dgv.t : nullptr, b.dh0, p.c.reverse};
+}
+
+// The operator the command runs: the chunked one or (--op recurrent) the recurrent one.
+gla_status run_forward(Problem& p, const gla_options& o) {
+  if (!p.c.recurrent) {
+    const gla_chunk_forward_args a = forward_args(p);
+    return gla_chunk_forward(&a, &o);
+  }
+  const gla_recurrent_forward_args a = recurrent_forward_args(p);
+  return gla_recurrent_forward(&a, &o);
+}
+gla_status run_backward(Problem& p, const gla_options& o) {
+  if (!p.c.recurrent) {
+    const gla_chunk_backward_args a = backward_args(p);
+    return gla_chunk_backward(&a, &o);
+  }
+  const gla_recurrent_backward_args a = recurrent_backward_args(p);
+  return gla_recurrent_backward(&a, &o);
+}
+gla_status explain_problem(Problem& p, const gla_options& o, bool backward, const char** text) {
+  if (!p.c.recurrent) {
+    const gla_chunk_forward_args f = forward_args(p);
+    const gla_chunk_backward_args b = backward_args(p);
+    return gla_explain(backward ? nullptr : &f, backward ? &b : nullptr, &o, text);
+  }
+  const gla_recurrent_forward_args f = recurrent_forward_args(p);
+  const gla_recurrent_backward_args b = recurrent_backward_args(p);
+  return gla_recurrent_explain(backward ? nullptr : &f, backward ? &b : nullptr, nullptr, &o, text);
 }
 
 gla_options options_for(const Config& c, const char* backend) {
@@ -287,34 +345,32 @@ int cmd_backends() {
 }
 
 int cmd_explain(const Config& c) {
-  Problem p{c, 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  Problem p{c, 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   make_problem(p, false);
   const gla_options opts = options_for(c, c.backend.empty() ? nullptr : c.backend.c_str());
   const char* text = nullptr;
-  gla_chunk_forward_args fa = forward_args(p);
-  gla_chunk_backward_args ba = backward_args(p);
-  check(gla_explain(c.backward ? nullptr : &fa, c.backward ? &ba : nullptr, &opts, &text), "explain");
+  check(explain_problem(p, opts, c.backward, &text), "explain");
   std::fputs(text, stdout);
   return 0;
 }
 
 int cmd_run(const Config& c) {
   if (c.device != GLA_DEVICE_CPU) usage_error("run: only --device cpu is supported by the command line");
-  Problem p{c, 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  Problem p{c, 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   make_problem(p, true);
   const char* forced = c.backend.empty() ? nullptr : c.backend.c_str();
   gla_options opts = options_for(c, forced);
-  gla_chunk_forward_args fa = forward_args(p);
-  gla_chunk_backward_args ba = backward_args(p);
   const char* text = nullptr;
-  check(gla_explain(&fa, nullptr, &opts, &text), "explain forward");
+  check(explain_problem(p, opts, false, &text), "explain forward");
   const std::string fwd_decision = decision_line(text);
-  check(gla_explain(nullptr, &ba, &opts, &text), "explain backward");
+  check(explain_problem(p, opts, true, &text), "explain backward");
   const std::string bwd_decision = decision_line(text);
 
-  std::printf("problem: B=%lld T=%lld H=%lld K=%lld V=%lld N=%lld dtype=%s%s%s%s\n", (long long)c.B, (long long)c.T,
-              (long long)c.H, (long long)c.K, (long long)c.V, (long long)p.N, gla::dtype_name(c.dtype),
-              c.cu.empty() ? "" : " varlen", c.h0 ? " +initial_state" : "", c.ht ? " +final_state" : "");
+  std::printf("problem: %s B=%lld T=%lld H=%lld K=%lld V=%lld N=%lld dtype=%s%s%s%s%s\n", c.recurrent ? "recurrent" : "chunk",
+              (long long)c.B, (long long)c.T, (long long)c.H, (long long)c.K, (long long)c.V, (long long)p.N,
+              gla::dtype_name(c.dtype), c.cu.empty() ? "" : " varlen", c.h0 ? " +initial_state" : "",
+              c.ht ? " +final_state" : "",
+              !c.recurrent ? "" : c.gk && c.gv ? " gk+gv" : c.gv ? " gv" : c.gk ? " gk" : " no gates");
   std::printf("forward  -> %s\nbackward -> %s\n", fwd_decision.c_str(), bwd_decision.c_str());
 
   using clock = std::chrono::steady_clock;
@@ -328,27 +384,26 @@ int cmd_run(const Config& c) {
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
   };
-  for (Buffer* b : {&p.o, &p.ht, &p.dq, &p.dk, &p.dv, &p.dg, &p.dh0}) poison(*b);
-  const double fwd_ms = timed([&] { check(gla_chunk_forward(&fa, &opts), "forward"); });
-  const double bwd_ms = timed([&] { check(gla_chunk_backward(&ba, &opts), "backward"); });
+  for (Buffer* b : {&p.o, &p.ht, &p.dq, &p.dk, &p.dv, &p.dg, &p.dh0, &p.dgv}) poison(*b);
+  const double fwd_ms = timed([&] { check(run_forward(p, opts), "forward"); });
+  const double bwd_ms = timed([&] { check(run_backward(p, opts), "backward"); });
 
   // Reference outputs on fresh buffers.
-  Problem r{c, 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  Problem r{c, 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   make_problem(r, true);
   gla_options ropts = options_for(c, "reference");
   ropts.force_stage_pipeline = 0;
-  gla_chunk_forward_args rfa = forward_args(r);
-  gla_chunk_backward_args rba = backward_args(r);
   const bool reference_ran = fwd_decision.rfind("reference", 0) == 0 && bwd_decision.rfind("reference", 0) == 0;
   double ref_fwd_ms = 0, ref_bwd_ms = 0;
-  ref_fwd_ms = timed([&] { check(gla_chunk_forward(&rfa, &ropts), "reference forward"); });
-  ref_bwd_ms = timed([&] { check(gla_chunk_backward(&rba, &ropts), "reference backward"); });
+  ref_fwd_ms = timed([&] { check(run_forward(r, ropts), "reference forward"); });
+  ref_bwd_ms = timed([&] { check(run_backward(r, ropts), "reference backward"); });
 
   // SPEC.md §5: fp32 < 1e-5 for CPU backends, 16-bit < 5e-3.
   const double bar = c.dtype == GLA_DTYPE_F32 ? 1e-5 : 5e-3;
   struct Out { const char* name; Buffer* a; Buffer* b; bool on; };
   const Out outs[] = {{"o", &p.o, &r.o, true},       {"final_state", &p.ht, &r.ht, c.ht}, {"dq", &p.dq, &r.dq, true},
-                      {"dk", &p.dk, &r.dk, true},    {"dv", &p.dv, &r.dv, true},           {"dg", &p.dg, &r.dg, true},
+                      {"dk", &p.dk, &r.dk, true},    {"dv", &p.dv, &r.dv, true},
+                      {c.recurrent ? "dgk" : "dg", &p.dg, &r.dg, c.gk},                   {"dgv", &p.dgv, &r.dgv, c.gv},
                       {"dh0", &p.dh0, &r.dh0, c.h0}};
   bool ok = true;
   std::printf("%s against reference (bar %.0e):\n", reference_ran ? "reference ran itself; repeat check" : "check", bar);

@@ -215,6 +215,108 @@ GLA_API gla_status gla_chunk_backward_workspace_size(const gla_chunk_backward_ar
                                                      const gla_options* options, size_t* bytes);
 
 /* ------------------------------------------------------------------------------------------ */
+/* The recurrent operator (the token loop; SPEC.md §6)                                          */
+/* ------------------------------------------------------------------------------------------ */
+/* fla's fused_recurrent_gla. Per sequence n and head h, a = exp(gk_t), b = exp(gv_t):
+ *     S_t = Diag(a) S_{t-1} Diag(b) + k_t v_t^T ;   o_t = scale * q_t^T S_t
+ * over the tokens in order, or from the last token to the first with `reverse`.
+ *   q, k        [B, T, H, K]    f32, f16 or bf16 (the same dtype)
+ *   gk          [B, T, H, K]    optional key gate, natural log, expected <= 0; q's dtype or f32
+ *   gv          [B, T, H, V]    optional value gate, likewise; NULL = no value gate
+ *   v           [B, T, H, V]    q's dtype
+ *   initial_state, cu_seqlens, cu_seqlens_host, o, final_state: as for gla_chunk_forward_args
+ *               (options->state_v_first and options->scale apply as there).
+ *   reverse     0: tokens first to last; 1: last to first (final_state is the state after token 0).
+ * Units GLA_UNIT_RECURRENT_FWD / GLA_UNIT_RECURRENT_BWD; in gla_problem `g` carries gk (absent when
+ * gk is NULL) and `gv`, `reverse` are set. */
+typedef struct gla_recurrent_forward_args {
+  const gla_tensor* q;
+  const gla_tensor* k;
+  const gla_tensor* v;
+  const gla_tensor* gk;              /* optional */
+  const gla_tensor* gv;              /* optional */
+  const gla_tensor* initial_state;   /* optional */
+  const gla_tensor* cu_seqlens;      /* optional */
+  const gla_tensor* cu_seqlens_host; /* optional */
+  const gla_tensor* o;               /* output */
+  const gla_tensor* final_state;     /* optional output */
+  int32_t reverse;
+} gla_recurrent_forward_args;
+
+/* Backward of the recurrent operator: gradients given do_ and dht (either NULL = zero).
+ * Outputs (each NULL = not wanted; at least one): dq, dk like q; dv like v; dgk like gk (only with
+ * gk), dgv like gv (only with gv), f32 or the gate's dtype; dh0 like initial_state. */
+typedef struct gla_recurrent_backward_args {
+  const gla_tensor* q;
+  const gla_tensor* k;
+  const gla_tensor* v;
+  const gla_tensor* gk;
+  const gla_tensor* gv;
+  const gla_tensor* initial_state;
+  const gla_tensor* cu_seqlens;
+  const gla_tensor* cu_seqlens_host;
+  const gla_tensor* do_;
+  const gla_tensor* dht;
+  const gla_tensor* dq;
+  const gla_tensor* dk;
+  const gla_tensor* dv;
+  const gla_tensor* dgk;
+  const gla_tensor* dgv;
+  const gla_tensor* dh0;
+  int32_t reverse;
+} gla_recurrent_backward_args;
+
+GLA_API gla_status gla_recurrent_forward(const gla_recurrent_forward_args* args, const gla_options* options);
+GLA_API gla_status gla_recurrent_backward(const gla_recurrent_backward_args* args, const gla_options* options);
+
+/* The serving step: B sequences, T new tokens each (T >= 1, usually 1 or a few), their states in a
+ * pool addressed by slot, updated in place.
+ *   q, k, gk, v, gv   as for gla_recurrent_forward_args ([B, T, H, *]); no cu_seqlens, no reverse
+ *   state_pool    [P, H, K, V] (or [P, H, V, K] with options->state_v_first) f32, on q's device.
+ *                 Sequence b reads state_pool[state_slots[b]] and, without token_states, writes
+ *                 the state after its last token back there.
+ *   state_slots   [B] int32 on q's device (device memory on CUDA: read by the kernel, never by the
+ *                 host unless check_slots).
+ *   slot_error    [1] int32 on q's device, required. A sequence whose slot is negative or >= P is
+ *                 skipped and bit 1 is ORed into slot_error[0]; a sequence whose slot an earlier
+ *                 sequence (lower b) of the same call already uses is skipped and bit 2 is ORed in.
+ *                 A skipped sequence's o (and token_states) are written as zeros and nothing of
+ *                 the pool is touched for it. slot_error is never cleared by libgla.
+ *   o             [B, T, H, V] output, v's dtype
+ *   token_states  optional [B, T, H, K, V] (or [B, T, H, V, K]) f32 output: the state after each
+ *                 token (speculative decoding). When given, the pool is read, not written.
+ *   check_slots   1: copy state_slots to the host first (a synchronisation) and fail with
+ *                 GLA_STATUS_INVALID_ARGUMENT naming the first bad or repeated slot, before anything
+ *                 is written. 0: no host synchronisation anywhere in the call (CUDA-graph capturable).
+ * The problem is GLA_UNIT_RECURRENT_FWD with initial_state = the pool, final_state = the pool (or
+ * absent with token_states) and state_slots / slot_error / token_states set in gla_problem. */
+typedef struct gla_recurrent_state_update_args {
+  const gla_tensor* q;
+  const gla_tensor* k;
+  const gla_tensor* v;
+  const gla_tensor* gk; /* optional */
+  const gla_tensor* gv; /* optional */
+  const gla_tensor* state_pool;
+  const gla_tensor* state_slots;
+  const gla_tensor* slot_error;
+  const gla_tensor* o;
+  const gla_tensor* token_states; /* optional output */
+  int32_t check_slots;
+} gla_recurrent_state_update_args;
+
+/* Bits ORed into slot_error[0]. */
+#define GLA_SLOT_ERROR_OUT_OF_RANGE 1
+#define GLA_SLOT_ERROR_REPEATED 2
+
+GLA_API gla_status gla_recurrent_state_update(const gla_recurrent_state_update_args* args,
+                                              const gla_options* options);
+
+/* The verdict table for a recurrent call (exactly one of the three non-NULL), as gla_explain. */
+GLA_API gla_status gla_recurrent_explain(const gla_recurrent_forward_args* fwd, const gla_recurrent_backward_args* bwd,
+                                         const gla_recurrent_state_update_args* update, const gla_options* options,
+                                         const char** text);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Registry: listing, explaining, enabling                                                      */
 /* ------------------------------------------------------------------------------------------ */
 /* Dispatchable units: whole operations and the stages of SPEC.md §2. */
@@ -298,6 +400,17 @@ typedef struct gla_problem {
   void* stream;
   void* workspace; /* scratch for a whole-operation run, workspace_bytes long */
   size_t workspace_bytes;
+  /* Recurrent units only (absent / 0 otherwise; appended so older plugins read a valid prefix).
+   * `g` holds gk there and may be absent; dg is dgk.
+   *   gv, dgv       [B, T, H, V] value gate and its gradient (optional)
+   *   reverse       1: tokens last to first
+   *   state_slots   [N] int32: sequence n's state is initial_state[state_slots[n]] (the pool) and
+   *                 goes back to final_state[state_slots[n]] (the same pool); absent: index n
+   *   slot_error    [1] int32 (with state_slots): bits GLA_SLOT_ERROR_* ORed in for skipped sequences
+   *   token_states  [B, T, H, K, V] (or V, K): the state after each token (with state_slots) */
+  gla_tensor gv, dgv;
+  int32_t reverse;
+  gla_tensor state_slots, slot_error, token_states;
 } gla_problem;
 
 /* A backend described by callbacks. Every callback gets `user_data` back. Strings written into

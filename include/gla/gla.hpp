@@ -98,6 +98,33 @@ inline size_t chunk_backward_workspace_size(const gla_chunk_backward_args& args,
   return bytes;
 }
 
+// The recurrent operator (gla.h: gla_recurrent_*): forward, backward, the serving step on a state
+// pool, and their verdict tables.
+inline void recurrent_forward(const gla_recurrent_forward_args& args, Options options = {}) {
+  check(gla_recurrent_forward(&args, options.get()));
+}
+inline void recurrent_backward(const gla_recurrent_backward_args& args, Options options = {}) {
+  check(gla_recurrent_backward(&args, options.get()));
+}
+inline void recurrent_state_update(const gla_recurrent_state_update_args& args, Options options = {}) {
+  check(gla_recurrent_state_update(&args, options.get()));
+}
+inline std::string explain(const gla_recurrent_forward_args& args, Options options = {}) {
+  const char* text = nullptr;
+  check(gla_recurrent_explain(&args, nullptr, nullptr, options.get(), &text));
+  return text;
+}
+inline std::string explain(const gla_recurrent_backward_args& args, Options options = {}) {
+  const char* text = nullptr;
+  check(gla_recurrent_explain(nullptr, &args, nullptr, options.get(), &text));
+  return text;
+}
+inline std::string explain(const gla_recurrent_state_update_args& args, Options options = {}) {
+  const char* text = nullptr;
+  check(gla_recurrent_explain(nullptr, nullptr, &args, options.get(), &text));
+  return text;
+}
+
 // The verdict table (every backend, unit by unit) and the decision for these arguments.
 inline std::string explain(const gla_chunk_forward_args& args, Options options = {}) {
   const char* text = nullptr;

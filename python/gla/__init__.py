@@ -10,9 +10,11 @@ from . import _ops  # registers the gla::chunk_fwd / gla::chunk_bwd operators
 from ._api import (BackendInfo, backend, backends, chunk_gla, explain, library_path, load_plugin, policy,
                    set_backend_enabled, version)
 from ._lib import GlaError
+from ._recurrent import explain_recurrent, fused_recurrent_gla, recurrent_state_update
 
 __all__ = ["chunk_gla", "backends", "explain", "backend", "policy", "set_backend_enabled", "load_plugin",
-           "BackendInfo", "GlaError", "library_path", "version"]
+           "BackendInfo", "GlaError", "library_path", "version", "fused_recurrent_gla", "recurrent_state_update",
+           "explain_recurrent"]
 
 try:
     _ops.ensure_loaded()

@@ -1,7 +1,7 @@
 """The `torch` backend: libgla's chunked operator in PyTorch tensor ops, joined to the native registry.
 
 It is registered through gla_register_backend with ctypes callbacks (name "torch", priority 80, all
-device types, units chunk_fwd and chunk_bwd), so it appears in explain(), serves tensors on devices
+device types, units chunk_fwd, chunk_bwd, recurrent_fwd and recurrent_bwd (_recurrent_torch.py)), so it appears in explain(), serves tensors on devices
 no native backend serves (CUDA backward before the cuda backend has one, Ascend NPU, MPS, XPU) and
 can be forced anywhere. Its run callback turns the problem's descriptors back into torch tensors
 (see _tensors.py), runs `_chunked` on them and writes the results into the output tensors in place,
@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from . import _chunked, _lib, _tensors
+from . import _chunked, _lib, _recurrent_torch, _tensors
 
 NAME = "torch"
 PRIORITY = 80
@@ -48,8 +48,8 @@ def _device_reason(p) -> str:
 def _verify(user_data, problem, message, capacity):
     try:
         p = problem.contents
-        if p.unit not in (_lib.UNIT_CHUNK_FWD, _lib.UNIT_CHUNK_BWD):
-            _write_message(message, capacity, "implements only chunk_fwd and chunk_bwd")
+        if p.unit not in (_lib.UNIT_CHUNK_FWD, _lib.UNIT_CHUNK_BWD) + _recurrent_torch.UNITS:
+            _write_message(message, capacity, "implements only chunk_fwd, chunk_bwd, recurrent_fwd and recurrent_bwd")
             return 0
         reason = _device_reason(p)
         if reason:
@@ -68,6 +68,8 @@ def _offsets(p):
 
 
 def _run_problem(p) -> None:
+    if p.unit in _recurrent_torch.UNITS:
+        return _recurrent_torch.run_problem(p)
     w = _tensors.to_torch
     q, k, v, g = w(p.q), w(p.k), w(p.v), w(p.g)
     h0 = w(p.initial_state)
@@ -124,7 +126,7 @@ def register() -> None:
         desc.name = name
         desc.priority = PRIORITY
         desc.device_mask = sum(1 << d for d in _ALL_DEVICES)
-        desc.unit_mask = (1 << _lib.UNIT_CHUNK_FWD) | (1 << _lib.UNIT_CHUNK_BWD)
+        desc.unit_mask = (1 << _lib.UNIT_CHUNK_FWD) | (1 << _lib.UNIT_CHUNK_BWD) | sum(1 << u for u in _recurrent_torch.UNITS)
         desc.user_data = None
         callbacks = {"available": _lib.AvailableFn(), "verify": _lib.VerifyFn(_verify), "run": _lib.RunFn(_run),
                      "workspace_size": _lib.WorkspaceFn()}

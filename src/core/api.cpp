@@ -117,6 +117,49 @@ gla_status gla_chunk_backward_workspace_size(const gla_chunk_backward_args* args
   });
 }
 
+gla_status gla_recurrent_forward(const gla_recurrent_forward_args* args, const gla_options* options) {
+  return guarded([&] {
+    const gla_options opts = gla::read_options(options);
+    gla::PreparedProblem prepared = gla::prepare_recurrent_forward(args, opts, false);
+    gla::execute(prepared, opts);
+  });
+}
+
+gla_status gla_recurrent_backward(const gla_recurrent_backward_args* args, const gla_options* options) {
+  return guarded([&] {
+    const gla_options opts = gla::read_options(options);
+    gla::PreparedProblem prepared = gla::prepare_recurrent_backward(args, opts, false);
+    gla::execute(prepared, opts);
+  });
+}
+
+gla_status gla_recurrent_state_update(const gla_recurrent_state_update_args* args, const gla_options* options) {
+  return guarded([&] {
+    const gla_options opts = gla::read_options(options);
+    gla::PreparedProblem prepared = gla::prepare_recurrent_state_update(args, opts, false);
+    gla::execute(prepared, opts);
+  });
+}
+
+gla_status gla_recurrent_explain(const gla_recurrent_forward_args* fwd, const gla_recurrent_backward_args* bwd,
+                                 const gla_recurrent_state_update_args* update, const gla_options* options,
+                                 const char** text) {
+  return guarded([&] {
+    if (!text) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "text: required output pointer is missing (got NULL)");
+    const int given = (fwd != nullptr) + (bwd != nullptr) + (update != nullptr);
+    if (given != 1) {
+      gla::fail(GLA_STATUS_INVALID_ARGUMENT,
+                "explain: expected exactly one of fwd, bwd and update, got " + std::to_string(given));
+    }
+    const gla_options opts = gla::read_options(options);
+    gla::PreparedProblem prepared = fwd   ? gla::prepare_recurrent_forward(fwd, opts, true)
+                                    : bwd ? gla::prepare_recurrent_backward(bwd, opts, true)
+                                          : gla::prepare_recurrent_state_update(update, opts, true);
+    t_text = gla::explain(prepared, gla::make_control(opts));
+    *text = t_text.c_str();
+  });
+}
+
 int32_t gla_backend_count(void) {
   try {
     return static_cast<int32_t>(gla::Registry::instance().snapshot().size());

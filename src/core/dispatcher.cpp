@@ -123,10 +123,19 @@ std::string forced_for(const DispatchControl& control, int32_t unit) {
 std::string problem_line(const gla_problem& p) {
   std::ostringstream s;
   s << kUnitNames[p.unit] << " B=" << p.B << " T=" << p.T << " H=" << p.H << " K=" << p.K << " V=" << p.V
-    << " N=" << p.N << (p.varlen ? " varlen" : "") << " dtype=" << dtype_name(p.dtype) << " gate="
-    << (p.gate_per_head ? "per-head " : "per-key ") << dtype_name(p.gate_dtype)
-    << (p.state_v_first ? " state=[N,H,V,K]" : "") << (present(p.initial_state) ? " +initial_state" : "")
-    << (present(p.final_state) ? " +final_state" : "") << (!unit_is_stage(p.unit) && present(p.h) ? " +chunk_states" : "")
+    << " N=" << p.N << (p.varlen ? " varlen" : "") << " dtype=" << dtype_name(p.dtype);
+  if (p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD) {
+    s << " gk=" << (present(p.g) ? dtype_name(p.g.dtype) : "none") << " gv=" << (present(p.gv) ? dtype_name(p.gv.dtype) : "none")
+      << (p.reverse ? " reverse" : "");
+    if (present(p.state_slots)) {
+      s << " state_pool P=" << p.initial_state.sizes[0] << (p.state_v_first ? " [P,H,V,K]" : " [P,H,K,V]")
+        << (present(p.token_states) ? " +token_states" : " (updated in place)");
+    }
+  } else {
+    s << " gate=" << (p.gate_per_head ? "per-head " : "per-key ") << dtype_name(p.gate_dtype);
+  }
+  s << (p.state_v_first ? " state=[N,H,V,K]" : "") << (present(p.initial_state) && !present(p.state_slots) ? " +initial_state" : "")
+    << (present(p.final_state) && !present(p.state_slots) ? " +final_state" : "") << (!unit_is_stage(p.unit) && present(p.h) ? " +chunk_states" : "")
     << " device=" << device_type_name(p.device_type) << ':'
     << p.device_index;
   return s.str();
@@ -161,6 +170,10 @@ bool try_pipeline(const std::vector<RegistryEntry>& entries, const PreparedProbl
   if (present(prepared.problem.h)) {
     why = "the stage pipeline does not " + std::string(operation == GLA_UNIT_CHUNK_FWD ? "write" : "read") +
           " saved chunk states (chunk_states)";
+    return false;
+  }
+  if (pipeline_stages(operation).empty()) {
+    why = std::string(kUnitNames[operation]) + " has no stage pipeline (it runs as a whole operation only)";
     return false;
   }
   for (int32_t s : pipeline_stages(operation)) {
@@ -435,6 +448,14 @@ void execute(PreparedProblem& prepared, const gla_options& options) {
     load_sequence_offsets(prepared, packed.data());
   }
   check_chunk_states_count(prepared.problem);  // chunk_states' NC needs the offsets; still before any write
+  if (prepared.check_slots) {
+    const gla_tensor& slots = prepared.problem.state_slots;
+    std::vector<int32_t> host(static_cast<size_t>(slots.sizes[0]));
+    std::vector<int32_t> strided(static_cast<size_t>(slots.sizes[0] > 0 ? (slots.sizes[0] - 1) * slots.strides[0] + 1 : 0));
+    if (!strided.empty()) lead.copy_to_host(prepared.problem, slots.data, strided.data(), strided.size() * 4);
+    for (size_t i = 0; i < host.size(); ++i) host[i] = strided[i * static_cast<size_t>(slots.strides[0])];
+    check_state_slots(prepared.problem, host.data());
+  }
   if (options.check_inputs) {
     std::pair<Backend*, const gla_problem*> context{&lead, &prepared.problem};
     check_input_values(prepared.problem, host_reader, &context);

@@ -95,6 +95,9 @@ struct CommonInputs {
   const gla_tensor* initial_state;
   const gla_tensor* cu_seqlens;
   const gla_tensor* cu_seqlens_host;
+  // The recurrent operator's gates are optional (gk in `g`, then gv); the chunked one needs g.
+  bool gate_optional = false;
+  const char* gate_name = "g";
 };
 
 void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_options& options,
@@ -103,11 +106,13 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
   const gla_tensor& q = required("q", in.q);
   const gla_tensor& k = required("k", in.k);
   const gla_tensor& v = required("v", in.v);
-  const gla_tensor& g = required("g", in.g);
+  const gla_tensor no_gate{};
+  const gla_tensor& g = in.gate_optional && in.g == nullptr ? no_gate : required(in.gate_name, in.g);
+  const bool has_gate = in.g != nullptr;
   check_descriptor("q", q, metadata_only);
   check_descriptor("k", k, metadata_only);
   check_descriptor("v", v, metadata_only);
-  check_descriptor("g", g, metadata_only);
+  if (has_gate) check_descriptor(in.gate_name, g, metadata_only);
 
   if (q.rank != 4) invalid("q: expected rank 4 [B, T, H, K], got rank " + std::to_string(q.rank) + " " + shape_string(q));
   if (!is_float_dtype(q.dtype)) {
@@ -124,20 +129,24 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
   }
   const int64_t V = v.sizes[3];
   if (V == 0) invalid("v: expected V (dim 3) > 0, got V = 0 in shape " + shape_string(v));
-  if (g.dtype != q.dtype && g.dtype != GLA_DTYPE_F32) {
-    invalid(std::string("g: expected dtype ") + dtype_name(q.dtype) + " (same as q) or float32, got " +
-            dtype_name(g.dtype));
-  }
   bool per_head = false;
-  if (g.rank == 3) {
-    per_head = true;
-    check_shape("g", g, {B, T, H}, "[B, T, H] per-head gate");
-  } else {
-    check_shape("g", g, {B, T, H, K}, "[B, T, H, K] per-key gate, or [B, T, H] per-head gate");
+  if (has_gate) {
+    const std::string gn = in.gate_name;
+    if (g.dtype != q.dtype && g.dtype != GLA_DTYPE_F32) {
+      invalid(gn + ": expected dtype " + dtype_name(q.dtype) + " (same as q) or float32, got " + dtype_name(g.dtype));
+    }
+    if (in.gate_optional) {
+      check_shape(in.gate_name, g, {B, T, H, K}, "[B, T, H, K] key gate");
+    } else if (g.rank == 3) {
+      per_head = true;
+      check_shape("g", g, {B, T, H}, "[B, T, H] per-head gate");
+    } else {
+      check_shape("g", g, {B, T, H, K}, "[B, T, H, K] per-key gate, or [B, T, H] per-head gate");
+    }
+    check_same_device(in.gate_name, g, q);
   }
   check_same_device("k", k, q);
   check_same_device("v", v, q);
-  check_same_device("g", g, q);
 
   p.B = B;
   p.T = T;
@@ -146,7 +155,7 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
   p.V = V;
   p.gate_per_head = per_head;
   p.dtype = q.dtype;
-  p.gate_dtype = g.dtype;
+  p.gate_dtype = has_gate ? g.dtype : q.dtype;
   p.device_type = q.device_type;
   p.device_index = q.device_index;
   p.q = q;
@@ -280,6 +289,41 @@ void check_like(const char* name, const gla_tensor& t, const gla_tensor& like, c
   check_same_device(name, t, p.q);
 }
 
+// o of a forward: required for a call; for explain() without one, the contiguous output the operator
+// would be given, so verifiers that check output strides give the verdict of a real call.
+void set_output(gla_problem& p, const gla_tensor* o, bool metadata_only) {
+  if (o) {
+    check_descriptor("o", *o, metadata_only);
+    check_dtype("o", *o, p.dtype, " (same as v)");
+    check_shape("o", *o, {p.B, p.T, p.H, p.V}, "[B, T, H, V]");
+    check_same_device("o", *o, p.q);
+    p.o = *o;
+  } else if (!metadata_only) {
+    invalid("o: required output tensor is missing (got NULL)");
+  } else {
+    p.o = make_tensor(nullptr, p.dtype, p.device_type, p.device_index, {p.B, p.T, p.H, p.V});
+  }
+}
+
+// A backward's do, dht and dq, dk, dv (each optional).
+void set_backward_tensors(gla_problem& p, const gla_tensor* dout, const gla_tensor* dht, const gla_tensor* dq,
+                          const gla_tensor* dk, const gla_tensor* dv, bool metadata_only) {
+  if (dout) {
+    check_descriptor("do", *dout, metadata_only);
+    check_dtype("do", *dout, p.dtype, " (same as v)");
+    check_shape("do", *dout, {p.B, p.T, p.H, p.V}, "[B, T, H, V] like o");
+    check_same_device("do", *dout, p.q);
+    p.do_ = *dout;
+  }
+  if (dht) {
+    check_state_like("dht", *dht, p, metadata_only);
+    p.dht = *dht;
+  }
+  if (dq) { check_like("dq", *dq, p.q, "q", p, metadata_only); p.dq = *dq; }
+  if (dk) { check_like("dk", *dk, p.k, "k", p, metadata_only); p.dk = *dk; }
+  if (dv) { check_like("dv", *dv, p.v, "v", p, metadata_only); p.dv = *dv; }
+}
+
 }  // namespace
 
 gla_options read_options(const gla_options* options) {
@@ -370,19 +414,7 @@ PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_op
   gla_problem& p = out.problem;
   p.unit = GLA_UNIT_CHUNK_FWD;
   p.backward = 0;
-  if (args->o) {
-    check_descriptor("o", *args->o, metadata_only);
-    check_dtype("o", *args->o, p.dtype, " (same as v)");
-    check_shape("o", *args->o, {p.B, p.T, p.H, p.V}, "[B, T, H, V]");
-    check_same_device("o", *args->o, p.q);
-    p.o = *args->o;
-  } else if (!metadata_only) {
-    invalid("o: required output tensor is missing (got NULL)");
-  } else {
-    // explain() without an output: describe the one the operator would be given (contiguous), so
-    // verifiers that check output strides give the verdict of a real call.
-    p.o = make_tensor(nullptr, p.dtype, p.device_type, p.device_index, {p.B, p.T, p.H, p.V});
-  }
+  set_output(p, args->o, metadata_only);
   if (args->final_state) {
     check_state_like("final_state", *args->final_state, p, metadata_only);
     p.final_state = *args->final_state;
@@ -404,20 +436,7 @@ PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_
   gla_problem& p = out.problem;
   p.unit = GLA_UNIT_CHUNK_BWD;
   p.backward = 1;
-  if (args->do_) {
-    check_descriptor("do", *args->do_, metadata_only);
-    check_dtype("do", *args->do_, p.dtype, " (same as v)");
-    check_shape("do", *args->do_, {p.B, p.T, p.H, p.V}, "[B, T, H, V] like o");
-    check_same_device("do", *args->do_, p.q);
-    p.do_ = *args->do_;
-  }
-  if (args->dht) {
-    check_state_like("dht", *args->dht, p, metadata_only);
-    p.dht = *args->dht;
-  }
-  if (args->dq) { check_like("dq", *args->dq, p.q, "q", p, metadata_only); p.dq = *args->dq; }
-  if (args->dk) { check_like("dk", *args->dk, p.k, "k", p, metadata_only); p.dk = *args->dk; }
-  if (args->dv) { check_like("dv", *args->dv, p.v, "v", p, metadata_only); p.dv = *args->dv; }
+  set_backward_tensors(p, args->do_, args->dht, args->dq, args->dk, args->dv, metadata_only);
   if (args->dg) {
     const gla_tensor& dg = *args->dg;
     check_descriptor("dg", dg, metadata_only);
@@ -452,8 +471,11 @@ void check_input_values(const gla_problem& p, HostReader read, void* context) {
     const gla_tensor* t;
     bool is_gate;
   };
-  const Named inputs[] = {{"q", &p.q, false}, {"k", &p.k, false}, {"v", &p.v, false}, {"g", &p.g, true},
-                          {"initial_state", &p.initial_state, false}, {"do", &p.do_, false}, {"dht", &p.dht, false}};
+  const bool recurrent = p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD;
+  const Named inputs[] = {{"q", &p.q, false},          {"k", &p.k, false},
+                          {"v", &p.v, false},          {recurrent ? "gk" : "g", &p.g, true},
+                          {"gv", &p.gv, true},         {recurrent && present(p.state_slots) ? "state_pool" : "initial_state", &p.initial_state, false},
+                          {"do", &p.do_, false},       {"dht", &p.dht, false}};
   std::vector<char> bytes;
   for (const auto& in : inputs) {
     const gla_tensor& t = *in.t;
@@ -482,6 +504,166 @@ void check_input_values(const gla_problem& p, HostReader read, void* context) {
         index[d] = 0;
       }
     }
+  }
+}
+
+// ---- The recurrent operator (gla.h: gla_recurrent_*) ----
+namespace {
+
+void check_value_gate(const gla_tensor* gv, PreparedProblem& out, bool metadata_only) {
+  if (!gv) return;
+  gla_problem& p = out.problem;
+  check_descriptor("gv", *gv, metadata_only);
+  if (gv->dtype != p.dtype && gv->dtype != GLA_DTYPE_F32) {
+    invalid(std::string("gv: expected dtype ") + dtype_name(p.dtype) + " (same as q) or float32, got " +
+            dtype_name(gv->dtype));
+  }
+  check_shape("gv", *gv, {p.B, p.T, p.H, p.V}, "[B, T, H, V] value gate");
+  check_same_device("gv", *gv, p.q);
+  p.gv = *gv;
+}
+
+void check_gate_gradient(const char* name, const gla_tensor& d, const gla_tensor& gate, const char* gate_name,
+                         const gla_problem& p, bool metadata_only) {
+  if (!present(gate)) invalid(std::string(name) + ": given without " + gate_name + " (expected NULL)");
+  check_descriptor(name, d, metadata_only);
+  if (d.dtype != GLA_DTYPE_F32 && d.dtype != gate.dtype) {
+    invalid(std::string(name) + ": expected dtype float32 or " + dtype_name(gate.dtype) + " (" + gate_name +
+            "'s dtype), got " + dtype_name(d.dtype));
+  }
+  bool same = d.rank == gate.rank;
+  for (int i = 0; same && i < d.rank; ++i) same = d.sizes[i] == gate.sizes[i];
+  if (!same) invalid(std::string(name) + ": expected shape " + shape_string(gate) + " (same as " + gate_name + "), got " + shape_string(d));
+  check_same_device(name, d, p.q);
+}
+
+// q, k, v, the optional gates (gk in `g`), initial state and sequences of a recurrent call.
+void prepare_recurrent_common(PreparedProblem& out, CommonInputs in, const gla_tensor* gv, int32_t reverse, int32_t unit,
+                              const gla_options& options, bool metadata_only) {
+  in.gate_optional = true;
+  in.gate_name = "gk";
+  prepare_common(out, in, options, metadata_only);
+  gla_problem& p = out.problem;
+  p.unit = unit;
+  p.backward = unit == GLA_UNIT_RECURRENT_BWD;
+  if (reverse != 0 && reverse != 1) invalid("reverse: expected 0 or 1, got " + std::to_string(reverse));
+  p.reverse = reverse;
+  check_value_gate(gv, out, metadata_only);
+}
+
+}  // namespace
+
+PreparedProblem prepare_recurrent_forward(const gla_recurrent_forward_args* args, const gla_options& options,
+                                          bool metadata_only) {
+  if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
+  PreparedProblem out;
+  prepare_recurrent_common(out, {args->q, args->k, args->v, args->gk, args->initial_state, args->cu_seqlens, args->cu_seqlens_host},
+                           args->gv, args->reverse, GLA_UNIT_RECURRENT_FWD, options, metadata_only);
+  gla_problem& p = out.problem;
+  set_output(p, args->o, metadata_only);
+  if (args->final_state) {
+    check_state_like("final_state", *args->final_state, p, metadata_only);
+    p.final_state = *args->final_state;
+  }
+  out.bind();
+  return out;
+}
+
+PreparedProblem prepare_recurrent_backward(const gla_recurrent_backward_args* args, const gla_options& options,
+                                           bool metadata_only) {
+  if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
+  PreparedProblem out;
+  prepare_recurrent_common(out, {args->q, args->k, args->v, args->gk, args->initial_state, args->cu_seqlens, args->cu_seqlens_host},
+                           args->gv, args->reverse, GLA_UNIT_RECURRENT_BWD, options, metadata_only);
+  gla_problem& p = out.problem;
+  set_backward_tensors(p, args->do_, args->dht, args->dq, args->dk, args->dv, metadata_only);
+  if (args->dgk) { check_gate_gradient("dgk", *args->dgk, p.g, "gk", p, metadata_only); p.dg = *args->dgk; }
+  if (args->dgv) { check_gate_gradient("dgv", *args->dgv, p.gv, "gv", p, metadata_only); p.dgv = *args->dgv; }
+  if (args->dh0) {
+    if (!present(p.initial_state)) invalid("dh0: given without initial_state (expected NULL)");
+    check_state_like("dh0", *args->dh0, p, metadata_only);
+    p.dh0 = *args->dh0;
+  }
+  if (!metadata_only && !args->dq && !args->dk && !args->dv && !args->dgk && !args->dgv && !args->dh0) {
+    invalid("backward: expected at least one gradient output, got none (dq, dk, dv, dgk, dgv and dh0 are all NULL)");
+  }
+  out.bind();
+  return out;
+}
+
+PreparedProblem prepare_recurrent_state_update(const gla_recurrent_state_update_args* args, const gla_options& options,
+                                               bool metadata_only) {
+  if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
+  PreparedProblem out;
+  prepare_recurrent_common(out, {args->q, args->k, args->v, args->gk, nullptr, nullptr, nullptr}, args->gv, 0,
+                           GLA_UNIT_RECURRENT_FWD, options, metadata_only);
+  gla_problem& p = out.problem;
+
+  const gla_tensor& pool = required("state_pool", args->state_pool);
+  check_descriptor("state_pool", pool, metadata_only);
+  check_dtype("state_pool", pool, GLA_DTYPE_F32, " (states are always fp32)");
+  const int64_t P = pool.rank == 4 ? pool.sizes[0] : 0;
+  if (p.state_v_first) {
+    check_shape("state_pool", pool, {P, p.H, p.V, p.K}, "[P, H, V, K] with state_v_first");
+  } else {
+    check_shape("state_pool", pool, {P, p.H, p.K, p.V}, "[P, H, K, V]");
+  }
+  check_same_device("state_pool", pool, p.q);
+
+  const gla_tensor& slots = required("state_slots", args->state_slots);
+  check_descriptor("state_slots", slots, metadata_only);
+  check_dtype("state_slots", slots, GLA_DTYPE_I32, "");
+  check_shape("state_slots", slots, {p.B}, "[B], one slot per sequence");
+  check_same_device("state_slots", slots, p.q);
+
+  const gla_tensor& error = required("slot_error", args->slot_error);
+  check_descriptor("slot_error", error, metadata_only);
+  check_dtype("slot_error", error, GLA_DTYPE_I32, "");
+  check_shape("slot_error", error, {1}, "[1] error flag");
+  check_same_device("slot_error", error, p.q);
+
+  if (args->check_slots != 0 && args->check_slots != 1) {
+    invalid("check_slots: expected 0 or 1, got " + std::to_string(args->check_slots));
+  }
+  out.check_slots = args->check_slots == 1;
+  set_output(p, args->o, metadata_only);
+  p.initial_state = pool;
+  p.state_slots = slots;
+  p.slot_error = error;
+  if (args->token_states) {
+    const gla_tensor& ts = *args->token_states;
+    check_descriptor("token_states", ts, metadata_only);
+    check_dtype("token_states", ts, GLA_DTYPE_F32, " (states are always fp32)");
+    bool ok = ts.rank == 5 && ts.sizes[0] == p.B && ts.sizes[1] == p.T && ts.sizes[2] == p.H &&
+              ts.sizes[3] == (p.state_v_first ? p.V : p.K) && ts.sizes[4] == (p.state_v_first ? p.K : p.V);
+    if (!ok) {
+      const std::string want = p.state_v_first ? sizes_string({p.B, p.T, p.H, p.V, p.K}) + " ([B, T, H, V, K] with state_v_first)"
+                                               : sizes_string({p.B, p.T, p.H, p.K, p.V}) + " ([B, T, H, K, V])";
+      invalid("token_states: expected shape " + want + ", got " + shape_string(ts));
+    }
+    check_same_device("token_states", ts, p.q);
+    p.token_states = ts;
+  } else {
+    p.final_state = pool;  // written back in place
+  }
+  out.bind();
+  return out;
+}
+
+void check_state_slots(const gla_problem& p, const int32_t* slots) {
+  const int64_t P = p.initial_state.sizes[0];
+  std::vector<int64_t> first_user(static_cast<size_t>(P), -1);
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t s = slots[b];
+    if (s < 0 || s >= P) {
+      invalid("state_slots: expected slots in [0, " + std::to_string(P) + ") (the pool's first size), got " +
+              std::to_string(s) + " at index " + std::to_string(b));
+    }
+    if (first_user[static_cast<size_t>(s)] >= 0) {
+      invalid("state_slots: expected each slot at most once, got slot " + std::to_string(s) + " at indices " +
+              std::to_string(first_user[static_cast<size_t>(s)]) + " and " + std::to_string(b));
+    }
+    first_user[static_cast<size_t>(s)] = b;
   }
 }
 

@@ -15,6 +15,8 @@ struct PreparedProblem {
   std::vector<int64_t> chunk_offsets;
   // cu_seqlens lives on a device and no host copy was given: offsets must be copied before use.
   bool offsets_need_copy = false;
+  // gla_recurrent_state_update's check_slots: the dispatcher copies state_slots and checks them.
+  bool check_slots = false;
 
   PreparedProblem() = default;
   PreparedProblem(const PreparedProblem&) = delete;
@@ -25,6 +27,7 @@ struct PreparedProblem {
     seq_offsets = std::move(other.seq_offsets);
     chunk_offsets = std::move(other.chunk_offsets);
     offsets_need_copy = other.offsets_need_copy;
+    check_slots = other.check_slots;
     bind();
     return *this;
   }
@@ -45,6 +48,19 @@ PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_op
                                 bool metadata_only, const gla_tensor* chunk_states = nullptr);
 PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_options& options,
                                  bool metadata_only, const gla_tensor* chunk_states = nullptr);
+
+// The recurrent operator's calls (gla.h: gla_recurrent_forward / _backward / _state_update). The
+// state update's problem is GLA_UNIT_RECURRENT_FWD with the pool as initial_state (and final_state
+// without token_states) and state_slots / slot_error set.
+PreparedProblem prepare_recurrent_forward(const gla_recurrent_forward_args* args, const gla_options& options,
+                                          bool metadata_only);
+PreparedProblem prepare_recurrent_backward(const gla_recurrent_backward_args* args, const gla_options& options,
+                                           bool metadata_only);
+PreparedProblem prepare_recurrent_state_update(const gla_recurrent_state_update_args* args, const gla_options& options,
+                                               bool metadata_only);
+// The state update's debug check (check_slots): every slot in [0, P) and none repeated, else an
+// INVALID_ARGUMENT naming the first offender. `slots` is a host copy of the B slots.
+void check_state_slots(const gla_problem& problem, const int32_t* slots);
 
 // Reads cu_seqlens values from `host_values` (N + 1 entries of cu_seqlens' dtype) and checks them:
 // first 0, non-decreasing, last T.

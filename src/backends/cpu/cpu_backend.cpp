@@ -27,6 +27,7 @@
 #endif
 
 #include "backends/cpu/cpu_kernels.hpp"
+#include "backends/cpu/recurrent.hpp"
 #include "core/backend.hpp"
 
 namespace gla {
@@ -184,7 +185,8 @@ class CpuBackend final : public Backend {
     return device_type == GLA_DEVICE_CPU || device_type == GLA_DEVICE_CUDA_HOST;
   }
   bool implements(int32_t unit) const override {
-    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit_is_stage(unit);
+    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit_is_stage(unit) ||
+           unit == GLA_UNIT_RECURRENT_FWD || unit == GLA_UNIT_RECURRENT_BWD;
   }
 
   Verdict verify(const gla_problem& p) const override {
@@ -204,6 +206,7 @@ class CpuBackend final : public Backend {
   }
 
   void run(const gla_problem& p) override {
+    if (p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD) return run_recurrent(p);
     const KernelTable& kernels = select_kernels();
     const int budget = thread_budget();
     const int64_t items = kernels.item_count(p, budget);

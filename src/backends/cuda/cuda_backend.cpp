@@ -14,6 +14,7 @@
 
 #include "backends/cuda/chunk_backward.hpp"
 #include "backends/cuda/chunk_forward.hpp"
+#include "backends/cuda/recurrent.hpp"
 #include "core/backend.hpp"
 
 namespace gla {
@@ -254,7 +255,10 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   int priority() const override { return 10; }
   bool serves_device(int32_t device_type) const override { return device_type == GLA_DEVICE_CUDA; }
-  bool implements(int32_t unit) const override { return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD; }
+  bool implements(int32_t unit) const override {
+    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit == GLA_UNIT_RECURRENT_FWD ||
+           unit == GLA_UNIT_RECURRENT_BWD;
+  }
 
   Verdict available() const override {
     int count = 0;
@@ -268,6 +272,12 @@ class CudaBackend final : public Backend {
   }
 
   Verdict verify(const gla_problem& p) const override {
+    if (p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD) {
+      const DeviceInfo& d = device_info(p.device_index);
+      if (!d.ok) return Verdict::no("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
+      if (d.major < 8) return Verdict::no("compute capability " + std::to_string(d.major) + "." + std::to_string(d.minor) + " < 8.0");
+      return cuda::verify_recurrent(p);
+    }
     if (p.unit != GLA_UNIT_CHUNK_FWD && p.unit != GLA_UNIT_CHUNK_BWD) {
       return Verdict::no("implements the whole chunk forward and backward, not the stages");
     }
@@ -315,12 +325,17 @@ class CudaBackend final : public Backend {
   }
 
   size_t workspace_size(const gla_problem& p) const override {
+    if (p.unit == GLA_UNIT_RECURRENT_FWD) return 0;
     if (p.backward) return cuda::plan_backward(make_backward_params(p)).workspace_bytes;
     const cuda::ForwardParams f = make_params(p);
     return cached_plan(f, p).workspace_bytes;
   }
 
   std::string plan_note(const gla_problem& p) const override {
+    if (p.unit == GLA_UNIT_RECURRENT_FWD) {
+      return "recurrent decode kernel: one CTA per (sequence, head, 32-value tile), " +
+             std::to_string(p.N * p.H * ((p.V + 31) / 32)) + " CTAs, fp32 state tile in registers";
+    }
     if (p.backward) {
       const cuda::BackwardPlan plan = cuda::plan_backward(make_backward_params(p));
       return "chunk backward: state walks per (sequence, head, 64x64 state block), then dq/dk/dg per (chunk, head, "
@@ -357,6 +372,11 @@ class CudaBackend final : public Backend {
   }
 
   void run(const gla_problem& p) override {
+    if (p.unit == GLA_UNIT_RECURRENT_FWD) {
+      DeviceGuard guard(p.device_index);
+      cuda::run_recurrent(p);
+      return;
+    }
     if (p.backward) {
       run_backward(p);
       return;

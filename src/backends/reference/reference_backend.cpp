@@ -169,7 +169,8 @@ class ReferenceBackend final : public Backend {
   int priority() const override { return 1000; }
   bool serves_device(int32_t device_type) const override { return host_accessible(device_type); }
   bool implements(int32_t unit) const override {
-    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit_is_stage(unit);
+    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit_is_stage(unit) ||
+           unit == GLA_UNIT_RECURRENT_FWD || unit == GLA_UNIT_RECURRENT_BWD;
   }
   Verdict verify(const gla_problem&) const override { return Verdict::yes(); }
   std::string plan_note(const gla_problem& p) const override {
@@ -181,6 +182,8 @@ class ReferenceBackend final : public Backend {
       parallel_for(p.N * p.H, [&](int64_t item) { forward_head(p, item / p.H, item % p.H); });
     } else if (p.unit == GLA_UNIT_CHUNK_BWD) {
       parallel_for(p.N * p.H, [&](int64_t item) { backward_head(p, item / p.H, item % p.H); });
+    } else if (p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD) {
+      run_reference_recurrent(p);
     } else {
       run_reference_stage(p);
     }

@@ -9,4 +9,8 @@ namespace gla {
 // intermediates described in gla.h (gla_problem's gcum, h, A, dh, dA, dq_intra, dk_intra).
 void run_reference_stage(const gla_problem& problem);
 
+// Runs GLA_UNIT_RECURRENT_FWD or _BWD (reference_recurrent.cpp): the fp64 token loop with gk, gv,
+// reverse, varlen and the state pool.
+void run_reference_recurrent(const gla_problem& problem);
+
 }  // namespace gla

@@ -1,0 +1,128 @@
+#include "backends/cuda/recurrent.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "backends/cuda/chunk_forward.hpp"
+#include "backends/cuda/recurrent_forward.hpp"
+
+namespace gla::cuda {
+
+namespace {
+
+int32_t element_type_of(int32_t dtype) {
+  switch (dtype) {
+    case GLA_DTYPE_F32: return kF32;
+    case GLA_DTYPE_F16: return kF16;
+    case GLA_DTYPE_BF16: return kBF16;
+    default: return -1;
+  }
+}
+
+// Why the state tensor cannot be read as float4 tiles ("" = it can): 16-byte aligned, last dim
+// contiguous, the other strides multiples of 4, the contiguous size a multiple of 4.
+std::string state_tile_reason(const char* name, const gla_tensor& t) {
+  if (!present(t)) return "";
+  const int last = t.rank - 1;
+  if (t.sizes[last] % 4 != 0) {
+    return std::string(name) + ": its last dimension (" + std::to_string(t.sizes[last]) +
+           ") must be a multiple of 4 for the 16-byte state loads";
+  }
+  if (t.strides[last] != 1) return std::string(name) + " needs a contiguous last dimension, got stride " + std::to_string(t.strides[last]);
+  for (int d = 0; d < last; ++d) {
+    if (t.strides[d] % 4 != 0 && t.sizes[d] > 1) {
+      return std::string(name) + ": stride " + std::to_string(t.strides[d]) + " of dim " + std::to_string(d) +
+             " is not a multiple of 4 (16-byte state loads)";
+    }
+  }
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return std::string(name) + ": data is not 16-byte aligned";
+  return "";
+}
+
+void copy3(const gla_tensor& t, int64_t* out) {
+  for (int i = 0; i < 3; ++i) out[i] = t.strides[i];
+}
+
+}  // namespace
+
+Verdict verify_recurrent(const gla_problem& p) {
+  if (p.unit == GLA_UNIT_RECURRENT_BWD) {
+    return Verdict::no("the recurrent backward is not implemented on CUDA (the torch backend serves it)");
+  }
+  if (element_type_of(p.dtype) < 0) return Verdict::no(std::string("dtype ") + dtype_name(p.dtype) + " not fp32/fp16/bf16");
+  if (p.K > kRecurrentMaxK) {
+    return Verdict::no("K=" + std::to_string(p.K) + " > " + std::to_string(kRecurrentMaxK) + " held by the recurrent kernel");
+  }
+  struct Named {
+    const char* name;
+    const gla_tensor* t;
+  };
+  for (const Named& x : {Named{"q", &p.q}, Named{"k", &p.k}, Named{"v", &p.v}, Named{"o", &p.o}, Named{"gk", &p.g}, Named{"gv", &p.gv}}) {
+    if (present(*x.t) && x.t->strides[3] != 1 && x.t->sizes[3] != 1) {
+      return Verdict::no(std::string(x.name) + " needs a contiguous last dimension (stride 1), got stride " +
+                         std::to_string(x.t->strides[3]));
+    }
+  }
+  const bool pool = present(p.state_slots);
+  for (const Named& x : {Named{pool ? "state_pool" : "initial_state", &p.initial_state},
+                         Named{"final_state", &p.final_state}, Named{"token_states", &p.token_states}}) {
+    const std::string reason = state_tile_reason(x.name, *x.t);
+    if (!reason.empty()) return Verdict::no(reason);
+  }
+  if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) return Verdict::no("cu_seqlens must be in CUDA device memory");
+  const int64_t tiles = (p.V + kRecurrentValueTile - 1) / kRecurrentValueTile;
+  if (p.N * tiles > 0x7fffffff) return Verdict::no("N * ceil(V/32) > 2^31 - 1 (grid limit)");
+  if (p.H > 65535) return Verdict::no("H > 65535 (grid limit)");
+  return Verdict::yes();
+}
+
+void run_recurrent(const gla_problem& p) {
+  RecurrentParams r{};
+  r.q = p.q.data;
+  r.k = p.k.data;
+  r.v = p.v.data;
+  r.gk = present(p.g) ? p.g.data : nullptr;
+  r.gv = present(p.gv) ? p.gv.data : nullptr;
+  r.o = p.o.data;
+  copy3(p.q, r.q_stride);
+  copy3(p.k, r.k_stride);
+  copy3(p.v, r.v_stride);
+  copy3(p.o, r.o_stride);
+  if (r.gk) copy3(p.g, r.gk_stride);
+  if (r.gv) copy3(p.gv, r.gv_stride);
+  r.dtype = element_type_of(p.dtype);
+  r.gk_dtype = r.gk ? element_type_of(p.g.dtype) : kF32;
+  r.gv_dtype = r.gv ? element_type_of(p.gv.dtype) : kF32;
+  r.initial_state = present(p.initial_state) ? static_cast<const float*>(p.initial_state.data) : nullptr;
+  r.final_state = present(p.final_state) ? static_cast<float*>(p.final_state.data) : nullptr;
+  if (r.initial_state) copy3(p.initial_state, r.h0_stride);
+  if (r.final_state) copy3(p.final_state, r.ht_stride);
+  if (present(p.token_states)) {
+    r.token_states = static_cast<float*>(p.token_states.data);
+    for (int i = 0; i < 4; ++i) r.ts_stride[i] = p.token_states.strides[i];
+  }
+  if (present(p.state_slots)) {
+    r.slots = static_cast<const int32_t*>(p.state_slots.data);
+    r.slot_stride = p.state_slots.strides[0];
+    r.pool_size = p.initial_state.sizes[0];
+    r.slot_error = static_cast<int32_t*>(p.slot_error.data);
+  }
+  r.cu_seqlens = p.varlen ? p.cu_seqlens.data : nullptr;
+  r.cu_seqlens_int64 = p.varlen && p.cu_seqlens.dtype == GLA_DTYPE_I64;
+  r.N = p.N;
+  r.T = p.T;
+  r.H = p.H;
+  r.K = p.K;
+  r.V = p.V;
+  r.scale = static_cast<float>(p.scale);
+  r.state_v_first = p.state_v_first;
+  r.reverse = p.reverse;
+  const int err = launch_recurrent_forward(r, p.stream);
+  if (err != cudaSuccess) {
+    fail(GLA_STATUS_BACKEND_ERROR, std::string("cuda recurrent forward launch failed: ") +
+                                       cudaGetErrorString(static_cast<cudaError_t>(err)));
+  }
+}
+
+}  // namespace gla::cuda
