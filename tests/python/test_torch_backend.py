@@ -152,3 +152,89 @@ def test_each_torch_stage_in_a_reference_pipeline(stage_inputs, stage, layout):
     assert ran and set(ran) == {stage}
     assert len(ran) == (1 if forward_only or stage in BWD_STAGES else 2), ran
     check(got, run_gla(x, backend="reference"), 1e-5, f"{stage}=torch in a reference pipeline")
+
+
+# ---- a vendor's plug-in stage mixed with torch stages ----
+class _IntraPlugin:
+    """A test backend registered from Python, as a vendor's would be: it implements only the
+    fwd_intra stage (A, computed its own way: fp64, per chunk, from cumulative gates), on CPU."""
+
+    NAME = "test_intra_plugin"
+
+    def __init__(self):
+        from gla import _lib, _tensors
+        self._lib, self._tensors = _lib, _tensors
+        self.calls = []
+        self._keep = []
+
+    def _run(self, user_data, problem, message, capacity):
+        try:
+            p = problem.contents
+            self.calls.append(p.unit)
+            w = self._tensors.to_torch
+            q, k, g, A = w(p.q).double(), w(p.k).double(), w(p.g).double(), w(p.A)
+            if p.gate_per_head:
+                g = g[..., None].expand_as(q)
+            C = p.chunk_size
+            for n in range(p.N):
+                start, end = int(p.seq_offsets[n]), int(p.seq_offsets[n + 1])
+                row = 0 if p.varlen else n
+                for first in range(start, end, C):
+                    last = min(end, first + C)
+                    b = g[row, first:last].cumsum(0)  # [L, H, K]
+                    L = last - first
+                    later = torch.arange(L)[None, :] > torch.arange(L)[:, None]  # [t, s]: s after t
+                    span = (b[:, None] - b[None, :]).masked_fill(later[..., None, None], float("-inf"))
+                    a = torch.einsum("thk,shk,tshk->ths", q[row, first:last], k[row, first:last], torch.exp(span))
+                    block = torch.zeros(L, a.shape[1], C, dtype=torch.float64)
+                    block[:, :, :L] = a
+                    A[row, first:last] = (block * p.scale).float()
+            return self._lib.OK
+        except BaseException as e:  # noqa: BLE001 - nothing may cross into C
+            msg = f"{type(e).__name__}: {e}".encode()[: capacity - 1]
+            import ctypes
+            ctypes.memmove(message, msg + b"\0", len(msg) + 1)
+            return self._lib.BACKEND_ERROR
+
+    def register(self):
+        import ctypes
+        lib = self._lib
+        desc = lib.BackendDesc()
+        desc.abi_version = lib.ABI_VERSION
+        name = self.NAME.encode()
+        desc.name = name
+        desc.priority = 10
+        desc.device_mask = 1 << lib.DEVICE_CPU
+        desc.unit_mask = 1 << _torch_stages.UNIT_FWD_INTRA
+        run = lib.RunFn(self._run)
+        desc.available, desc.verify, desc.workspace_size = lib.AvailableFn(), lib.VerifyFn(), lib.WorkspaceFn()
+        desc.run = run
+        self._keep += [desc, name, run]
+        lib.raise_for(lib.library().gla_register_backend(ctypes.byref(desc)), "registering the test plug-in")
+
+    def unregister(self):
+        self._lib.raise_for(self._lib.library().gla_unregister_backend(self.NAME.encode()))
+
+
+def test_plugin_stage_mixes_with_torch_stages_and_the_log_names_who_ran_what(monkeypatch, capfd):
+    plugin = _IntraPlugin()
+    plugin.register()
+    ran = []
+    patched = {u: (lambda s, _f=f: (ran.append(_f.__name__), _f(s))[1]) for u, f in _torch_stages.RUN.items()}
+    monkeypatch.setattr(_torch_stages, "RUN", patched)
+    monkeypatch.setenv("GLA_LOG", "dispatch")
+    x = make_inputs(B=1, T=150, H=3, K=24, V=16, seed=30, cu_seqlens=[0, 40, 150])  # a shape no other test logs
+    try:
+        capfd.readouterr()
+        got = run_gla(x, backend=f"torch,fwd_intra={plugin.NAME}")
+        log = capfd.readouterr().err
+    finally:
+        plugin.unregister()
+    assert plugin.calls == [_torch_stages.UNIT_FWD_INTRA] * 2  # forward and backward pipelines
+    assert ran == ["cumsum", "fwd_h", "fwd_o",  # forward
+                   "cumsum", "fwd_h", "bwd_dh", "bwd_dA", "bwd_dv", "bwd_dqk_intra", "bwd_dqkg"]  # backward
+    assert (f"decision: stage pipeline: cumsum->torch fwd_h->torch fwd_intra->{plugin.NAME} fwd_o->torch"
+            in log), log
+    assert (f"decision: stage pipeline: cumsum->torch fwd_h->torch fwd_intra->{plugin.NAME} bwd_dh->torch "
+            "bwd_dA->torch bwd_dv->torch bwd_dqk_intra->torch bwd_dqkg->torch") in log, log
+    check(got, loop_of(x), 1e-5, "plug-in fwd_intra + torch stages")
