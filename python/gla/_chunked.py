@@ -1,6 +1,6 @@
 """The chunked GLA algorithm (SPEC.md §2) written only with PyTorch tensor ops.
 
-This is the body of the portable `torch` backend: matmul, cumsum, exp2 and selects, nothing
+This is the body of the portable `torch` backend: matmul, cumsum, exp and selects, nothing
 device-specific, so it runs wherever PyTorch runs (CPU, CUDA, Ascend NPU, Apple MPS, Intel XPU).
 
 Layout. Every sequence (a batch row, or a cu_seqlens segment) is cut into chunks of C tokens, the
@@ -14,7 +14,7 @@ Numerics (SPEC.md §3):
 - everything accumulates in fp32 (fp64 when the inputs are fp64, for gradcheck);
 - intra-chunk products are factorised around pivots with every exponent <= 0: the chunk is halved
   recursively (widths C, C/2, ..., 2); in each block the lower-left quadrant (query rows in the
-  second half, key rows in the first) is one matmul of q_t 2^(b_t - b_p) and k_s 2^(b_p - b_s) with
+  second half, key rows in the first) is one matmul of q_t e^(b_t - b_p) and k_s e^(b_p - b_s) with
   the pivot p the query half's first row (a sub-chunk boundary for widths >= 32, and inside the
   16-row diagonal blocks below that). Every pair s < t lies in exactly one quadrant, the diagonal
   t = s needs no decay. No [.., 16, 16, K] expansion exists: the largest intermediate is [.., C, C];
@@ -34,6 +34,7 @@ WORKSET_BYTES; each group's results are written into the caller's outputs before
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -41,7 +42,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-RCP_LN2 = 1.0 / math.log(2.0)
+RCP_LN2 = 1.0 / math.log(2.0)  # gcum (a stage buffer) is in log2 units
 CHUNK = 64  # fla's chunk size, and the stage pipeline's
 # One head group's fp32 working set (inputs in chunk layout, states, gradients, temporaries).
 # 2 GiB keeps the B8 T4096 H16 D128 backward (~4.4 GB in one group) to two groups.
@@ -100,9 +101,17 @@ class Layout:
     def slot(self, n: int, c: int) -> int:
         return self.step_start[c] + self.rank[n]
 
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host index tensor on the layout's device without a host synchronisation (pinned and
+        asynchronous for CUDA: SPEC's no-host-sync path with cu_seqlens_cpu, CUDA-graph capture)."""
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+
     def order_index(self) -> torch.Tensor:
         if self._order_t is None:
-            self._order_t = torch.tensor(self.order, dtype=torch.long, device=self.device)
+            self._order_t = self._on_device(torch.tensor(self.order, dtype=torch.long))
         return self._order_t
 
     def _token_maps(self):
@@ -119,8 +128,8 @@ class Layout:
                     tok = self.starts[n] + first + r[:valid]
                     gather[s, :valid] = tok
                     scatter[tok] = s * C + r[:valid]
-            self._gather = gather.reshape(-1).to(self.device)
-            self._scatter = scatter.to(self.device)
+            self._gather = self._on_device(gather.reshape(-1))
+            self._scatter = self._on_device(scatter)
         return self._gather, self._scatter
 
     def stage_index(self, chunk_offsets: Sequence[int]) -> torch.Tensor:
@@ -130,7 +139,7 @@ class Layout:
             for n in range(self.N):
                 for c in range(self.chunks[n]):
                     idx[self.slot(n, c)] = int(chunk_offsets[n]) + c
-            self._stage = idx.to(self.device)
+            self._stage = self._on_device(idx)
         return self._stage
 
     def pack(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -169,6 +178,18 @@ class Layout:
         out.copy_(rows.index_select(0, scatter).view(B, T, H, D))
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_layout(B: int, T: int, offsets: Optional[tuple], C: int, device: str) -> Layout:
+    return Layout(B, T, offsets, C, device)
+
+
+def layout_for(B: int, T: int, seq_offsets: Optional[Sequence[int]], C: int, device) -> Layout:
+    """The Layout of these sizes, cached: its index tensors are built (and copied to the device)
+    once per shape, so repeated calls and CUDA-graph replays copy nothing from the host."""
+    offsets = tuple(int(o) for o in seq_offsets) if seq_offsets is not None else None
+    return _cached_layout(B, T, offsets, C, str(device))
+
+
 # ------------------------------------------------------------------------------------------------
 # Chunk-local math on packed tensors [..., C, D]
 # ------------------------------------------------------------------------------------------------
@@ -177,29 +198,35 @@ def _rev_cumsum(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
     return x.flip(dim).cumsum(dim).flip(dim)
 
 
-def log2_gate(g: torch.Tensor) -> torch.Tensor:
-    """Packed gate (natural log) -> clamped gate in log2 units (in place on the packed copy)."""
-    return g.clamp_(min=gate_floor(g.dtype)).mul_(RCP_LN2)
+def clamped_gate(g: torch.Tensor) -> torch.Tensor:
+    """The packed gate clamped to gate_floor (in place). Decays are formed in natural-log units
+    with exp: one pass fewer than converting to log2 for exp2, the same rounding."""
+    return g.clamp_(min=gate_floor(g.dtype))
 
 
 @dataclass
 class Decays:
-    """Per-chunk decay factors from the log2 gate gl [..., C, K]."""
-    from_start: torch.Tensor  # 2^(b_t): decay from the chunk start to t (inclusive)
-    to_end: torch.Tensor      # 2^(b_last - b_s): decay from s (exclusive) to the chunk's last row
-    whole: torch.Tensor       # 2^(b_last) [..., K]
+    """Per-chunk decay factors from the clamped gate gl [..., C, K] (b: its chunk-local cumsum)."""
+    from_start: torch.Tensor  # e^(b_t): decay from the chunk start to t (inclusive)
+    to_end: torch.Tensor      # e^(b_last - b_s): decay from s (exclusive) to the chunk's last row
+    whole: torch.Tensor       # e^(b_last) [..., K]
 
 
 def decays(gl: torch.Tensor) -> Decays:
     b = gl.cumsum(-2)
-    whole = torch.exp2(b[..., -1, :])
-    from_start = torch.exp2(b)
+    whole = torch.exp(b[..., -1, :])
+    from_start = torch.exp(b)
     del b
     after = _rev_cumsum(gl)  # sum over [s, last]; the sum over (s, last] is its next row
     to_end = torch.empty_like(gl)
     to_end[..., -1, :] = 1
-    torch.exp2(after[..., 1:, :], out=to_end[..., :-1, :])
+    torch.exp(after[..., 1:, :], out=to_end[..., :-1, :])
     return Decays(from_start, to_end, whole)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[chunks, H, R, D] -> [chunks * H, R, D] (a view), for baddbmm."""
+    return x.flatten(0, -3)
 
 
 def _levels(C: int) -> List[int]:
@@ -212,7 +239,7 @@ def _levels(C: int) -> List[int]:
 
 def _level_operands(q, k, gl, w):
     """Pivoted operands of the quadrants at block width w, each [..., C/w, w/2, K]:
-    eq = 2^(b_t - b_p) for query rows t (second half), ek = 2^(b_p - b_s) for key rows s (first
+    eq = e^(b_t - b_p) for query rows t (second half), ek = e^(b_p - b_s) for key rows s (first
     half), with the pivot p the second half's first row; Qop = q * eq, Kop = k * ek."""
     C = gl.shape[-2]
     half = w // 2
@@ -223,10 +250,11 @@ def _level_operands(q, k, gl, w):
     else:
         qexp = gl.new_zeros(gb.shape[:-2] + (half, gb.shape[-1]))
         torch.cumsum(gb[..., half + 1:, :], -2, out=qexp[..., 1:, :])  # sum over (p, t]
-        eq = torch.exp2(qexp)
+        eq = torch.exp(qexp)
         del qexp
         Qop = q.unflatten(-2, (C // w, w))[..., half:, :] * eq
-    ek = torch.exp2(_rev_cumsum(gb[..., 1:half + 1, :]))  # sum over (s, p]
+    # sum over (s, p]
+    ek = torch.exp(gb[..., 1:2, :] if half == 1 else _rev_cumsum(gb[..., 1:half + 1, :]))
     Kop = k.unflatten(-2, (C // w, w))[..., :half, :] * ek
     return eq, ek, Qop, Kop
 
@@ -247,7 +275,7 @@ def _pair_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q, k, gl, scale):
-    """F3: A [..., C, C], A[t, s] = scale * sum_i q_ti k_si 2^(b_ti - b_si) for s <= t, 0 above."""
+    """F3: A [..., C, C], A[t, s] = scale * sum_i q_ti k_si e^(b_ti - b_si) for s <= t, 0 above."""
     C = q.shape[-2]
     A = q.new_zeros(q.shape[:-1] + (C,))
     for w in _levels(C):
@@ -294,13 +322,13 @@ def intra_gradients(q, k, gl, dA, dq, dk, dg):
 # ------------------------------------------------------------------------------------------------
 # The scans
 # ------------------------------------------------------------------------------------------------
-def state_scan(layout: Layout, weight, value, decay_whole, start, reverse: bool, out_per_chunk):
+def state_scan(layout: Layout, weight, value, decay_whole, start, reverse: bool, out_per_chunk, alpha: float = 1.0):
     """The chunk scan of F2 (forward) and B1 (reverse) on packed tensors.
 
     weight [chunks, H, C, K], value [chunks, H, C, V], decay_whole [chunks, H, K]; start
     [N, H, K, V] in sequence order or None (zeros). Writes the state each chunk enters into
     out_per_chunk [chunks, H, K, V] and returns the state after the last chunk of every sequence
-    [N, H, K, V] in sequence order. Step: S <- 2^(b_last) S + weight^T value."""
+    [N, H, K, V] in sequence order. Step: S <- e^(b_last) S + alpha weight^T value."""
     H, K, V = weight.shape[1], weight.shape[-1], value.shape[-1]
     N = layout.N
     if start is not None:
@@ -315,7 +343,8 @@ def state_scan(layout: Layout, weight, value, decay_whole, start, reverse: bool,
         out_per_chunk[a:a + n].copy_(cur)
         s3 = cur.view(n * H, K, V)
         s3.mul_(decay_whole[a:a + n].reshape(n * H, K, 1))
-        s3.baddbmm_(weight[a:a + n].reshape(n * H, -1, K).transpose(-1, -2), value[a:a + n].reshape(n * H, -1, V))
+        s3.baddbmm_(weight[a:a + n].reshape(n * H, -1, K).transpose(-1, -2), value[a:a + n].reshape(n * H, -1, V),
+                    alpha=alpha)
     if not layout.uniform:
         S = S.index_select(0, torch.argsort(layout.order_index()))
     return S
@@ -326,7 +355,7 @@ def state_scan(layout: Layout, weight, value, decay_whole, start, reverse: bool,
 # ------------------------------------------------------------------------------------------------
 def _group_forward(layout: Layout, q, k, v, g, scale, h0, cd, o_out, final_out):
     qc, kc, vc = layout.pack(q, cd), layout.pack(k, cd), layout.pack(v, cd)
-    gl = log2_gate(layout.pack(g, cd))
+    gl = clamped_gate(layout.pack(g, cd))
     dec = decays(gl)
     h = qc.new_empty(qc.shape[0], qc.shape[1], qc.shape[-1], vc.shape[-1])
     kw = kc * dec.to_end
@@ -334,9 +363,10 @@ def _group_forward(layout: Layout, q, k, v, g, scale, h0, cd, o_out, final_out):
     del kw
     A = attention(qc, kc, gl, scale)
     del gl, kc
-    o = (qc.mul_(dec.from_start).mul_(scale)) @ h
+    o = A @ vc
+    del A, vc
+    _flat(o).baddbmm_(_flat(qc.mul_(dec.from_start)), _flat(h), alpha=scale)
     del h, qc, dec
-    o.add_(A @ vc)
     layout.unpack_into(o, o_out)
     if final_out is not None:
         final_out.copy_(final)
@@ -345,7 +375,7 @@ def _group_forward(layout: Layout, q, k, v, g, scale, h0, cd, o_out, final_out):
 def _group_backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     dq_out, dk_out, dv_out, dg_out, dh0_out = outs
     qc, kc, vc = layout.pack(q, cd), layout.pack(k, cd), layout.pack(v, cd)
-    gl = log2_gate(layout.pack(g, cd))
+    gl = clamped_gate(layout.pack(g, cd))
     doc = layout.pack(do, cd) if do is not None else torch.zeros_like(vc)
     dec = decays(gl)
     P, Hh, C, K = qc.shape
@@ -356,9 +386,8 @@ def _group_backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     state_scan(layout, kw, vc, dec.whole, h0, False, h)
     # B1: dh[c] = dL/d(state at the end of chunk c)
     qw = qc * dec.from_start
-    qw.mul_(scale)
     dh = qc.new_empty(P, Hh, K, V)
-    dh0 = state_scan(layout, qw, doc, dec.whole, dht, True, dh)
+    dh0 = state_scan(layout, qw, doc, dec.whole, dht, True, dh, alpha=scale)
     del qw
     # B3
     dA = doc @ vc.transpose(-1, -2)
@@ -374,7 +403,7 @@ def _group_backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     # B2
     dv = A.transpose(-1, -2) @ doc
     del A
-    dv.add_(kw @ dh)
+    _flat(dv).baddbmm_(_flat(kw), _flat(dh))
     del kw
     # B5: inter-chunk dq, dk, dg
     add_inter_gradients(qc, kc, vc, doc, h, dh, dec, scale, dq, dk, dg)
@@ -389,9 +418,9 @@ def _group_backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
 
 
 def add_inter_gradients(qc, kc, vc, doc, h, dh, dec: Decays, scale, dq, dk, dg):
-    """B5: adds the inter-chunk parts into dq, dk, dg [..., C, K]: dq_t += scale 2^(b_t) (S_c do_t),
-    dk_s += 2^(b_last - b_s) (dS_{c+1} v_s), and to dg_u the sums over t >= u of q_t dq_t^inter,
-    over s < u of k_s dk_s^inter, and 2^(b_last) rowsum(S_c * dS_{c+1}). doc None: do = 0."""
+    """B5: adds the inter-chunk parts into dq, dk, dg [..., C, K]: dq_t += scale e^(b_t) (S_c do_t),
+    dk_s += e^(b_last - b_s) (dS_{c+1} v_s), and to dg_u the sums over t >= u of q_t dq_t^inter,
+    over s < u of k_s dk_s^inter, and e^(b_last) rowsum(S_c * dS_{c+1}). doc None: do = 0."""
     if doc is not None:
         dq_inter = (doc @ h.transpose(-1, -2)).mul_(dec.from_start).mul_(scale)
         dq.add_(dq_inter)
@@ -469,7 +498,7 @@ def chunk_forward(q, k, v, g, scale: float, initial_state=None, seq_offsets=None
         if final_kv is not None:
             final_kv.copy_(h0) if h0 is not None else final_kv.zero_()
         return o_out, final_out
-    layout = Layout(B, T, seq_offsets, chunk_size or chunk_size_for(lengths_max), q.device)
+    layout = layout_for(B, T, seq_offsets, chunk_size or chunk_size_for(lengths_max), q.device)
     for hs in _head_groups(H, _working_set(layout, K, V, torch.finfo(cd).bits // 8, False)):
         h0g = h0[:, hs].to(cd) if h0 is not None else None
         _group_forward(layout, q[:, :, hs], k[:, :, hs], v[:, :, hs], g[:, :, hs], scale, h0g, cd, o_out[:, :, hs],
@@ -503,7 +532,7 @@ def chunk_backward(q, k, v, g, scale: float, initial_state=None, seq_offsets=Non
             dh0_kv.copy_(dht) if dht is not None else dh0_kv.zero_()
         return tuple(outs)
     g = _gate_per_key(g, K)
-    layout = Layout(B, T, seq_offsets, chunk_size or chunk_size_for(lengths_max), q.device)
+    layout = layout_for(B, T, seq_offsets, chunk_size or chunk_size_for(lengths_max), q.device)
     for hs in _head_groups(H, _working_set(layout, K, V, torch.finfo(cd).bits // 8, True)):
         part = lambda t: t[:, :, hs] if t is not None else None  # noqa: E731
         state = lambda t: t[:, hs].to(cd) if t is not None else None  # noqa: E731

@@ -35,7 +35,7 @@ class _Stage:
         self.cd = torch.float32
         B, T = self.q.shape[0], self.q.shape[1]
         offsets = [int(p.seq_offsets[i]) for i in range(p.N + 1)] if p.varlen else None
-        self.layout = _chunked.Layout(B, T, offsets, int(p.chunk_size), self.q.device)
+        self.layout = _chunked.layout_for(B, T, offsets, int(p.chunk_size), self.q.device)
         self.chunk_offsets = [int(p.chunk_offsets[i]) for i in range(p.N + 1)]
         self.scale = p.scale
 
@@ -43,9 +43,9 @@ class _Stage:
         return self.layout.pack(t, self.cd)
 
     def gate(self):
-        """Packed log2 gate, per key."""
+        """Packed clamped gate (natural log), per key."""
         K = self.q.shape[-1]
-        return _chunked.log2_gate(self.pack(self.g.expand(*self.g.shape[:3], K)))
+        return _chunked.clamped_gate(self.pack(self.g.expand(*self.g.shape[:3], K)))
 
     def states_in(self, t):
         """A stage state tensor [NC, H, K, V] in packed chunk order."""
