@@ -45,7 +45,7 @@ import torch.nn.functional as F
 RCP_LN2 = 1.0 / math.log(2.0)  # gcum (a stage buffer) is in log2 units
 CHUNK = 64  # fla's chunk size, and the stage pipeline's
 # One head group's fp32 working set (inputs in chunk layout, states, gradients, temporaries).
-# 2 GiB keeps the B8 T4096 H16 D128 backward (~4.4 GB in one group) to two groups.
+# 2 GiB: the B8 T4096 H16 D128 backward (~288 MiB a head by this estimate) runs as 3 groups.
 WORKSET_BYTES = 2 << 30
 
 
@@ -328,26 +328,47 @@ def state_scan(layout: Layout, weight, value, decay_whole, start, reverse: bool,
     weight [chunks, H, C, K], value [chunks, H, C, V], decay_whole [chunks, H, K]; start
     [N, H, K, V] in sequence order or None (zeros). Writes the state each chunk enters into
     out_per_chunk [chunks, H, K, V] and returns the state after the last chunk of every sequence
-    [N, H, K, V] in sequence order. Step: S <- e^(b_last) S + alpha weight^T value."""
+    [N, H, K, V] in sequence order. Step: S <- e^(b_last) S + alpha weight^T value, computed
+    straight into the next chunk's slot (two ops a chunk: a multiply and a baddbmm)."""
     H, K, V = weight.shape[1], weight.shape[-1], value.shape[-1]
     N = layout.N
-    if start is not None:
-        S = weight.new_empty(N, H, K, V)
-        S.copy_(start if layout.uniform else start.index_select(0, layout.order_index()))
+    if start is not None and not layout.uniform:
+        start = start.index_select(0, layout.order_index())
+    final = weight.new_empty(N, H, K, V)
+    counts, firsts = layout.step_count, layout.step_start
+    steps = len(counts)
+
+    def fill(dst, lo, hi):  # sorted sequences lo..hi-1 start from `start` (zeros without one)
+        if hi > lo:
+            dst.copy_(start[lo:hi]) if start is not None else dst.zero_()
+
+    def step(lo, hi, dst):  # dst <- the step of packed chunks lo..hi-1 applied to their entering states
+        n = hi - lo
+        torch.mul(out_per_chunk[lo:hi], decay_whole[lo:hi].unsqueeze(-1), out=dst)
+        dst.view(n * H, K, V).baddbmm_(weight[lo:hi].reshape(n * H, -1, K).transpose(-1, -2),
+                                       value[lo:hi].reshape(n * H, -1, V), alpha=alpha)
+
+    if not reverse:
+        fill(out_per_chunk[:counts[0]], 0, counts[0]) if steps else None
+        for c in range(steps):
+            a, n, nn = firsts[c], counts[c], counts[c + 1] if c + 1 < steps else 0
+            if nn:
+                step(a, a + nn, out_per_chunk[firsts[c + 1]:firsts[c + 1] + nn])
+            if n > nn:  # sequences whose last chunk is c
+                step(a + nn, a + n, final[nn:n])
     else:
-        S = weight.new_zeros(N, H, K, V)
-    steps = range(len(layout.step_count))
-    for c in (reversed(steps) if reverse else steps):
-        a, n = layout.step_start[c], layout.step_count[c]
-        cur = S[:n]
-        out_per_chunk[a:a + n].copy_(cur)
-        s3 = cur.view(n * H, K, V)
-        s3.mul_(decay_whole[a:a + n].reshape(n * H, K, 1))
-        s3.baddbmm_(weight[a:a + n].reshape(n * H, -1, K).transpose(-1, -2), value[a:a + n].reshape(n * H, -1, V),
-                    alpha=alpha)
+        for c in reversed(range(steps)):
+            a, n, nn = firsts[c], counts[c], counts[c + 1] if c + 1 < steps else 0
+            fill(out_per_chunk[a + nn:a + n], nn, n)  # sequences whose last chunk is c
+            if nn:
+                step(firsts[c + 1], firsts[c + 1] + nn, out_per_chunk[a:a + nn])
+        if steps:
+            step(0, counts[0], final[:counts[0]])
+    n0 = counts[0] if steps else 0
+    fill(final[n0:], n0, N)  # sequences without chunks
     if not layout.uniform:
-        S = S.index_select(0, torch.argsort(layout.order_index()))
-    return S
+        final = final.index_select(0, torch.argsort(layout.order_index()))
+    return final
 
 
 # ------------------------------------------------------------------------------------------------
