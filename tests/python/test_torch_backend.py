@@ -1,6 +1,7 @@
 """The `torch` backend's own properties: g = -inf hard resets and strong decay against the fp64 token
-loop, bounded intermediates (no tensor much larger than the inputs), head groups under a memory
-budget, and every stage unit on its own inside a `reference` stage pipeline."""
+loop (on CPU, and on CUDA with the marker `cuda`), bounded intermediates (no tensor much larger than
+the inputs), head groups under a memory budget, every stage unit on its own inside a `reference`
+stage pipeline, and a plug-in stage registered from Python mixed with `torch` stages in one call."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -238,3 +239,25 @@ def test_plugin_stage_mixes_with_torch_stages_and_the_log_names_who_ran_what(mon
     assert (f"decision: stage pipeline: cumsum->torch fwd_h->torch fwd_intra->{plugin.NAME} bwd_dh->torch "
             "bwd_dA->torch bwd_dv->torch bwd_dqk_intra->torch bwd_dqkg->torch") in log, log
     check(got, loop_of(x), 1e-5, "plug-in fwd_intra + torch stages")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: GPU tests need an NVIDIA GPU (run `pytest tests/python -m cuda` on one)")
+@pytest.mark.parametrize("case", ["resets", "const-7"])
+def test_cuda_torch_backend_resets_and_strong_decay(case):
+    x = make_inputs(B=2, T=300, H=2, K=64, seed=31, cu_seqlens=None)
+    if case == "resets":
+        x = with_resets(x, 0.05, seed=32)
+    else:
+        x["g"] = torch.full_like(x["g"], -7.0)
+    want = loop_of(x)
+    on_gpu = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        got = run_gla(on_gpu, backend="torch")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    assert all(t is None or t.is_cuda for t in got)
+    check(got, want, 1e-5, f"cuda {case}")
