@@ -1,11 +1,13 @@
 """The `torch` backend: libgla's chunked operator in PyTorch tensor ops, joined to the native registry.
 
 It is registered through gla_register_backend with ctypes callbacks (name "torch", priority 80, all
-device types, units chunk_fwd, chunk_bwd, recurrent_fwd and recurrent_bwd (_recurrent_torch.py)), so it appears in explain(), serves tensors on devices
+device types, units chunk_fwd, chunk_bwd, every stage of the stage pipeline, recurrent_fwd and
+recurrent_bwd (_recurrent_torch.py)), so it appears in explain(), serves tensors on devices
 no native backend serves (CUDA backward before the cuda backend has one, Ascend NPU, MPS, XPU) and
-can be forced anywhere. Its run callback turns the problem's descriptors back into torch tensors
-(see _tensors.py), runs `_chunked` on them and writes the results into the output tensors in place,
-on PyTorch's current stream.
+can be forced anywhere, and its stages mix with another backend's (a vendor's native stage plus
+`torch` for the rest). Its run callback turns the problem's descriptors back into torch tensors
+(see _tensors.py), runs `_chunked` (whole operations) or `_torch_stages` (one stage) on them and
+writes the results into the output tensors in place, on PyTorch's current stream.
 
 Callbacks never let an exception escape into C: every failure becomes a status and a message.
 """
@@ -16,10 +18,11 @@ import threading
 
 import torch
 
-from . import _chunked, _lib, _recurrent_torch, _tensors
+from . import _chunked, _lib, _recurrent_torch, _tensors, _torch_stages
 
 NAME = "torch"
 PRIORITY = 80
+_UNITS = (_lib.UNIT_CHUNK_FWD, _lib.UNIT_CHUNK_BWD) + tuple(_torch_stages.RUN) + tuple(_recurrent_torch.UNITS)
 _ALL_DEVICES = (_lib.DEVICE_CPU, _lib.DEVICE_CUDA, _lib.DEVICE_CUDA_HOST, _lib.DEVICE_OPENCL, _lib.DEVICE_VULKAN,
                 _lib.DEVICE_METAL, _lib.DEVICE_ROCM, _lib.DEVICE_EXT, _lib.DEVICE_ONEAPI)
 
@@ -48,8 +51,8 @@ def _device_reason(p) -> str:
 def _verify(user_data, problem, message, capacity):
     try:
         p = problem.contents
-        if p.unit not in (_lib.UNIT_CHUNK_FWD, _lib.UNIT_CHUNK_BWD) + _recurrent_torch.UNITS:
-            _write_message(message, capacity, "implements only chunk_fwd, chunk_bwd, recurrent_fwd and recurrent_bwd")
+        if p.unit not in _UNITS:
+            _write_message(message, capacity, "implements chunk_fwd, chunk_bwd, the stages, recurrent_fwd and recurrent_bwd, not this unit")
             return 0
         reason = _device_reason(p)
         if reason:
@@ -71,23 +74,19 @@ def _run_problem(p) -> None:
     if p.unit in _recurrent_torch.UNITS:
         return _recurrent_torch.run_problem(p)
     w = _tensors.to_torch
+    if p.unit in _torch_stages.RUN:
+        _torch_stages.run(p, w)
+        return
     q, k, v, g = w(p.q), w(p.k), w(p.v), w(p.g)
     h0 = w(p.initial_state)
     if p.backward:
-        do, dht = w(p.do_), w(p.dht)
-        dq, dk, dv, dg, dh0 = _chunked.chunk_backward(q, k, v, g, p.scale, h0, _offsets(p), bool(p.state_v_first),
-                                                      do=do, dht=dht)
-        for out, value in ((p.dq, dq), (p.dk, dk), (p.dv, dv), (p.dg, dg), (p.dh0, dh0)):
-            target = w(out)
-            if target is not None:
-                target.copy_(value)
+        outs = tuple(w(t) for t in (p.dq, p.dk, p.dv, p.dg, p.dh0))
+        _chunked.chunk_backward(q, k, v, g, p.scale, h0, _offsets(p), bool(p.state_v_first), do=w(p.do_), dht=w(p.dht),
+                                outs=outs)
     else:
         final = w(p.final_state)
-        o, ht = _chunked.chunk_forward(q, k, v, g, p.scale, h0, _offsets(p), bool(p.state_v_first),
-                                       want_final_state=final is not None)
-        w(p.o).copy_(o)
-        if final is not None:
-            final.copy_(ht)
+        _chunked.chunk_forward(q, k, v, g, p.scale, h0, _offsets(p), bool(p.state_v_first),
+                               want_final_state=final is not None, o_out=w(p.o), final_out=final)
 
 
 def _run(user_data, problem, message, capacity):
@@ -126,7 +125,7 @@ def register() -> None:
         desc.name = name
         desc.priority = PRIORITY
         desc.device_mask = sum(1 << d for d in _ALL_DEVICES)
-        desc.unit_mask = (1 << _lib.UNIT_CHUNK_FWD) | (1 << _lib.UNIT_CHUNK_BWD) | sum(1 << u for u in _recurrent_torch.UNITS)
+        desc.unit_mask = sum(1 << u for u in _UNITS)
         desc.user_data = None
         callbacks = {"available": _lib.AvailableFn(), "verify": _lib.VerifyFn(_verify), "run": _lib.RunFn(_run),
                      "workspace_size": _lib.WorkspaceFn()}

@@ -1,0 +1,158 @@
+"""Times the portable `torch` backend against a reference point, through gla.chunk_gla.
+
+CPU (default): against the native `cpu` backend, fp32 B1 T4096 H16 K=V=128, forward and
+forward+backward, at a fixed thread count (2 by default):
+
+    GLA_LIBRARY=build/libgla.so PYTHONPATH=python python3 bench/torch_backend_bench.py --repeat 5
+
+CUDA (--cuda): against fla's chunk_gla (skipped with a note when fla is not importable), bf16
+forward+backward at B8 T4096 H16 D128 and B8 T2048 H4 K256 V512; CUDA-event medians and the extra
+peak memory of one forward+backward (peak allocated during it minus what was allocated before):
+
+    GLA_LIBRARY=build/libgla.so PYTHONPATH=python python3 bench/torch_backend_bench.py --cuda
+
+Each case prints one line per contender: the median and the spread (min-max) over --repeat timed
+runs after one warm-up, and the ratio to the reference point.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import gla
+
+
+def make(B, T, H, K, V, dtype, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.rand(*s, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
+    g = F.logsigmoid(torch.rand(B, T, H, K, generator=gen)).to(device=device, dtype=dtype)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(device)
+    do = torch.randn(B, T, H, V, generator=gen).to(device=device, dtype=dtype)
+    dht = torch.randn(B, H, K, V, generator=gen).to(device)
+    return q, k, v, g, h0, do, dht
+
+
+def gla_call(backend, backward):
+    def run(q, k, v, g, h0, do, dht):
+        with gla.backend(backend):
+            if not backward:
+                with torch.no_grad():
+                    return gla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+            leaves = [x.detach().requires_grad_() for x in (q, k, v, g, h0)]
+            o, ht = gla.chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True)
+            return torch.autograd.grad([o, ht], leaves, [do, dht])
+    return run
+
+
+def fla_call(backward):
+    from fla.ops.gla import chunk_gla as fla_chunk_gla
+
+    def run(q, k, v, g, h0, do, dht):
+        if not backward:
+            with torch.no_grad():
+                return fla_chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, g, h0)]
+        o, ht = fla_chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True)
+        return torch.autograd.grad([o, ht], leaves, [do, dht])
+    return run
+
+
+def time_cpu(fn, args, repeat):
+    fn(*args)  # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def time_cuda(fn, args, repeat):
+    fn(*args)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def extra_peak_cuda(fn, args):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(*args)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+def report(label, times, ref=None):
+    med = statistics.median(times)
+    ratio = f"  {med / ref:5.2f}x" if ref else ""
+    print(f"  {label:<28} median {med:9.2f} ms  (min {min(times):9.2f}, max {max(times):9.2f}){ratio}", flush=True)
+    return med
+
+
+def cpu_main(args):
+    torch.set_num_threads(args.threads)
+    x = make(1, args.T, 16, 128, 128, torch.float32, "cpu")
+    print(f"CPU, fp32, B1 T{args.T} H16 K=V=128, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"repeat {args.repeat}")
+    for backward in (False, True):
+        print("forward+backward" if backward else "forward")
+        ref = report("cpu backend", time_cpu(gla_call("cpu", backward), x, args.repeat))
+        report("torch backend", time_cpu(gla_call("torch", backward), x, args.repeat), ref)
+
+
+def cuda_main(args):
+    try:
+        import fla  # noqa: F401
+        have_fla = True
+    except ImportError as e:
+        have_fla = False
+        print(f"fla not importable ({e}): timing the torch backend alone")
+    cases = [(8, 4096, 16, 128, 128), (8, 2048, 4, 256, 512)]
+    print(f"CUDA {torch.cuda.get_device_name(0)}, bf16, forward+backward, torch {torch.__version__}, "
+          f"repeat {args.repeat}")
+    for B, T, H, K, V in cases:
+        x = make(B, T, H, K, V, torch.bfloat16, "cuda")
+        print(f"B{B} T{T} H{H} K{K} V{V}")
+        ref = ref_mem = None
+        if have_fla:
+            fn = fla_call(True)
+            ref = report("fla chunk_gla", time_cuda(fn, x, args.repeat))
+            ref_mem = extra_peak_cuda(fn, x)
+            print(f"  {'fla extra peak':<28} {ref_mem / 2**30:9.2f} GiB")
+        fn = gla_call("torch", True)
+        report("torch backend", time_cuda(fn, x, args.repeat), ref)
+        mem = extra_peak_cuda(fn, x)
+        ratio = f"  {mem / ref_mem:5.2f}x" if ref_mem else ""
+        print(f"  {'torch backend extra peak':<28} {mem / 2**30:9.2f} GiB{ratio}")
+        del x
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cuda", action="store_true", help="the GPU comparison against fla")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--T", type=int, default=4096, help="CPU case length")
+    args = ap.parse_args()
+    cuda_main(args) if args.cuda else cpu_main(args)
+
+
+if __name__ == "__main__":
+    main()

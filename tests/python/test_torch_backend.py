@@ -1,0 +1,263 @@
+"""The `torch` backend's own properties: g = -inf hard resets and strong decay against the fp64 token
+loop (on CPU, and on CUDA with the marker `cuda`), bounded intermediates (no tensor much larger than
+the inputs), head groups under a memory budget, every stage unit on its own inside a `reference`
+stage pipeline, and a plug-in stage registered from Python mixed with `torch` stages in one call."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gla
+from gla import _chunked, _torch_stages
+from oracle import NAMES, make_inputs, rel, run_gla, token_loop
+
+
+def loop_of(x, dht=True):
+    return token_loop(x["q"], x["k"], x["v"], x["g"], None, x["initial_state"], x["cu_list"], x["state_v_first"],
+                      x["do"], x["dht"] if dht else None)
+
+
+def check(got, want, tol, what):
+    for name, a, b in zip(NAMES, got, want):
+        if a is None or b is None:
+            continue
+        assert torch.isfinite(a).all(), f"{what}: {name} has NaN/Inf"
+        err = rel(a, b)
+        assert err < tol, f"{what}: {name} relative RMS error {err:.3e} >= {tol:.0e}"
+
+
+def with_resets(x, fraction, seed):
+    """Sets a random `fraction` of the gate entries to -inf (hard resets)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = x["g"].clone()
+    g[torch.rand(g.shape, generator=gen) < fraction] = float("-inf")
+    return dict(x, g=g)
+
+
+@pytest.mark.parametrize("case", [
+    dict(B=2, T=150, H=2, K=32),
+    dict(B=1, T=200, H=2, K=16, V=24, cu_seqlens=[0, 7, 120, 200]),
+    dict(B=2, T=70, H=2, K=16, per_head_gate=True),
+], ids=["batch", "varlen", "per-head"])
+def test_minus_infinity_gates_are_hard_resets(case):
+    x = with_resets(make_inputs(**case, seed=21), 0.05, seed=22)
+    got = run_gla(x, backend="torch")
+    want = loop_of(x)
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.isfinite(b).all(), f"oracle {name} not finite"
+    check(got, want, 1e-5, "-inf gates")
+
+
+def test_gate_all_minus_infinity_forgets_everything():
+    """With g = -inf everywhere each step sees only its own token: o_t = scale (q_t . k_t) v_t."""
+    x = make_inputs(B=1, T=80, H=2, K=16, seed=23)
+    x["g"] = torch.full_like(x["g"], float("-inf"))
+    got = run_gla(x, backend="torch")
+    o = (x["q"] * x["k"]).sum(-1, keepdim=True) * x["v"] * 16 ** -0.5
+    assert rel(got[0], o) < 1e-6
+    assert rel(got[1], x["k"][:, -1, :, :, None] * x["v"][:, -1, :, None, :]) < 1e-6
+    check(got, loop_of(x), 1e-5, "all -inf")
+
+
+@pytest.mark.parametrize("gate", ["const-5", "const-7", "uniform-60", "n0.05"])
+def test_strong_decay(gate):
+    """64 steps of g = -5 overflow a full-chunk factorisation in fp32 (SPEC.md §3 rule 2)."""
+    x = make_inputs(B=1, T=200, H=2, K=32, seed=24, n=0.05 if gate == "n0.05" else 1.0,
+                    gate_min=-60.0 if gate == "uniform-60" else None)
+    if gate.startswith("const"):
+        x["g"] = torch.full_like(x["g"], -float(gate[-1]))
+    got = run_gla(x, backend="torch")
+    check(got, loop_of(x), 1e-5, f"strong decay {gate}")
+
+
+def test_fp64_path_matches_token_loop_to_rounding():
+    x = make_inputs(B=2, T=130, H=2, K=16, V=8, dtype=torch.float64, seed=25)
+    x["initial_state"] = x["initial_state"].double()
+    x["dht"] = x["dht"].double()
+    got = run_gla(x)
+    check(got, loop_of(x), 1e-12, "float64")
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any aten op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                self.largest, self.op = t.numel(), func
+        return out
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (32, 96)])
+def test_no_intermediate_is_much_larger_than_inputs_and_states(K, V):
+    """The largest intermediate stays within 2x of the largest of: q, v, the chunk-start states and
+    the [.., C, C] intra-chunk matrix (the old body built [.., 4, 16, 16, K] weights, 16x q)."""
+    B, T, H = 1, 256, 2
+    x = make_inputs(B=B, T=T, H=H, K=K, V=V, seed=26)
+    C = _chunked.chunk_size_for(T)
+    bound = 2 * max(B * T * H * K, B * T * H * V, B * (T // C) * H * K * V, B * T * H * C)
+    for backward in (False, True):
+        mode = _LargestTensor()
+        with mode:
+            if backward:
+                _chunked.chunk_backward(x["q"], x["k"], x["v"], x["g"], K ** -0.5, x["initial_state"], do=x["do"],
+                                        dht=x["dht"])
+            else:
+                _chunked.chunk_forward(x["q"], x["k"], x["v"], x["g"], K ** -0.5, x["initial_state"])
+        assert mode.largest <= bound, f"{'backward' if backward else 'forward'}: {mode.op} made {mode.largest} elements > {bound}"
+
+
+def test_head_groups_under_a_small_budget_give_the_same_result(monkeypatch):
+    x = make_inputs(B=2, T=100, H=5, K=16, V=8, seed=27, cu_seqlens=None)
+    whole = run_gla(x, backend="torch")
+    per_head = _chunked._working_set(_chunked.Layout(2, 100, None, 64, "cpu"), 16, 8, 4, True)
+    monkeypatch.setattr(_chunked, "WORKSET_BYTES", 2 * per_head)  # groups of 2 heads: 2 + 2 + 1
+    assert len(_chunked._head_groups(5, per_head)) == 3
+    grouped = run_gla(x, backend="torch")
+    check(grouped, whole, 1e-6, "head groups vs one group")
+
+
+# ---- each stage unit inside a reference pipeline ----
+FWD_STAGES = ["cumsum", "fwd_h", "fwd_intra", "fwd_o"]
+BWD_STAGES = ["bwd_dh", "bwd_dA", "bwd_dv", "bwd_dqk_intra", "bwd_dqkg"]
+
+
+@pytest.fixture(scope="module")
+def stage_inputs():
+    return {"batch": make_inputs(B=2, T=100, H=2, K=16, V=8, seed=28),
+            "varlen": make_inputs(B=1, T=150, H=2, K=8, V=12, seed=29, cu_seqlens=[0, 70, 70, 150],
+                                  state_v_first=True)}
+
+
+@pytest.mark.parametrize("layout", ["batch", "varlen"])
+@pytest.mark.parametrize("stage", FWD_STAGES + BWD_STAGES)
+def test_each_torch_stage_in_a_reference_pipeline(stage_inputs, stage, layout):
+    """`reference` runs every stage but one, `torch` that one: the result is the reference's, so the
+    torch stage reads and writes the stage buffers in their documented layouts."""
+    x = stage_inputs[layout]
+    ran = []
+    original = _torch_stages.RUN
+    unit = {f.__name__: u for u, f in original.items()}[stage]
+    patched = dict(original)
+    patched[unit] = lambda s, _f=original[unit]: (ran.append(stage), _f(s))[1]
+    try:
+        _torch_stages.RUN = patched
+        got = run_gla(x, backend=f"reference,{stage}=torch")
+    finally:
+        _torch_stages.RUN = original
+    forward_only = stage in FWD_STAGES and stage != "fwd_h" and stage != "cumsum" and stage != "fwd_intra"
+    assert ran and set(ran) == {stage}
+    assert len(ran) == (1 if forward_only or stage in BWD_STAGES else 2), ran
+    check(got, run_gla(x, backend="reference"), 1e-5, f"{stage}=torch in a reference pipeline")
+
+
+# ---- a vendor's plug-in stage mixed with torch stages ----
+class _IntraPlugin:
+    """A test backend registered from Python, as a vendor's would be: it implements only the
+    fwd_intra stage (A, computed its own way: fp64, per chunk, from cumulative gates), on CPU."""
+
+    NAME = "test_intra_plugin"
+
+    def __init__(self):
+        from gla import _lib, _tensors
+        self._lib, self._tensors = _lib, _tensors
+        self.calls = []
+        self._keep = []
+
+    def _run(self, user_data, problem, message, capacity):
+        try:
+            p = problem.contents
+            self.calls.append(p.unit)
+            w = self._tensors.to_torch
+            q, k, g, A = w(p.q).double(), w(p.k).double(), w(p.g).double(), w(p.A)
+            if p.gate_per_head:
+                g = g[..., None].expand_as(q)
+            C = p.chunk_size
+            for n in range(p.N):
+                start, end = int(p.seq_offsets[n]), int(p.seq_offsets[n + 1])
+                row = 0 if p.varlen else n
+                for first in range(start, end, C):
+                    last = min(end, first + C)
+                    b = g[row, first:last].cumsum(0)  # [L, H, K]
+                    L = last - first
+                    later = torch.arange(L)[None, :] > torch.arange(L)[:, None]  # [t, s]: s after t
+                    span = (b[:, None] - b[None, :]).masked_fill(later[..., None, None], float("-inf"))
+                    a = torch.einsum("thk,shk,tshk->ths", q[row, first:last], k[row, first:last], torch.exp(span))
+                    block = torch.zeros(L, a.shape[1], C, dtype=torch.float64)
+                    block[:, :, :L] = a
+                    A[row, first:last] = (block * p.scale).float()
+            return self._lib.OK
+        except BaseException as e:  # noqa: BLE001 - nothing may cross into C
+            msg = f"{type(e).__name__}: {e}".encode()[: capacity - 1]
+            import ctypes
+            ctypes.memmove(message, msg + b"\0", len(msg) + 1)
+            return self._lib.BACKEND_ERROR
+
+    def register(self):
+        import ctypes
+        lib = self._lib
+        desc = lib.BackendDesc()
+        desc.abi_version = lib.ABI_VERSION
+        name = self.NAME.encode()
+        desc.name = name
+        desc.priority = 10
+        desc.device_mask = 1 << lib.DEVICE_CPU
+        desc.unit_mask = 1 << _torch_stages.UNIT_FWD_INTRA
+        run = lib.RunFn(self._run)
+        desc.available, desc.verify, desc.workspace_size = lib.AvailableFn(), lib.VerifyFn(), lib.WorkspaceFn()
+        desc.run = run
+        self._keep += [desc, name, run]
+        lib.raise_for(lib.library().gla_register_backend(ctypes.byref(desc)), "registering the test plug-in")
+
+    def unregister(self):
+        self._lib.raise_for(self._lib.library().gla_unregister_backend(self.NAME.encode()))
+
+
+def test_plugin_stage_mixes_with_torch_stages_and_the_log_names_who_ran_what(monkeypatch, capfd):
+    plugin = _IntraPlugin()
+    plugin.register()
+    ran = []
+    patched = {u: (lambda s, _f=f: (ran.append(_f.__name__), _f(s))[1]) for u, f in _torch_stages.RUN.items()}
+    monkeypatch.setattr(_torch_stages, "RUN", patched)
+    monkeypatch.setenv("GLA_LOG", "dispatch")
+    x = make_inputs(B=1, T=150, H=3, K=24, V=16, seed=30, cu_seqlens=[0, 40, 150])  # a shape no other test logs
+    try:
+        capfd.readouterr()
+        got = run_gla(x, backend=f"torch,fwd_intra={plugin.NAME}")
+        log = capfd.readouterr().err
+    finally:
+        plugin.unregister()
+    assert plugin.calls == [_torch_stages.UNIT_FWD_INTRA] * 2  # forward and backward pipelines
+    assert ran == ["cumsum", "fwd_h", "fwd_o",  # forward
+                   "cumsum", "fwd_h", "bwd_dh", "bwd_dA", "bwd_dv", "bwd_dqk_intra", "bwd_dqkg"]  # backward
+    assert (f"decision: stage pipeline: cumsum->torch fwd_h->torch fwd_intra->{plugin.NAME} fwd_o->torch"
+            in log), log
+    assert (f"decision: stage pipeline: cumsum->torch fwd_h->torch fwd_intra->{plugin.NAME} bwd_dh->torch "
+            "bwd_dA->torch bwd_dv->torch bwd_dqk_intra->torch bwd_dqkg->torch") in log, log
+    check(got, loop_of(x), 1e-5, "plug-in fwd_intra + torch stages")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: GPU tests need an NVIDIA GPU (run `pytest tests/python -m cuda` on one)")
+@pytest.mark.parametrize("case", ["resets", "const-7"])
+def test_cuda_torch_backend_resets_and_strong_decay(case):
+    x = make_inputs(B=2, T=300, H=2, K=64, seed=31, cu_seqlens=None)
+    if case == "resets":
+        x = with_resets(x, 0.05, seed=32)
+    else:
+        x["g"] = torch.full_like(x["g"], -7.0)
+    want = loop_of(x)
+    on_gpu = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        got = run_gla(on_gpu, backend="torch")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    assert all(t is None or t.is_cuda for t in got)
+    check(got, want, 1e-5, f"cuda {case}")
