@@ -33,9 +33,12 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-import gla  # noqa: E402
-from gla.nn import GLALanguageModel  # noqa: E402
+try:
+    import gla
+except ImportError:  # a source checkout: the package is in python/
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import gla
+from gla.nn import GLALanguageModel
 
 IGNORE = -100
 
@@ -86,6 +89,7 @@ class Config:
     num_layers: int = 2
     num_heads: int = 2
     gate_logit_normalizer: float = 16
+    use_short_conv: bool = True
     steps: int = 1200
     batch_size: int = 64
     lr: float = 3e-3
@@ -107,7 +111,8 @@ def train(config: Config, device: torch.device, progress: bool = True) -> dict:
     task = config.task
     model = GLALanguageModel(task.vocab_size, hidden_size=config.hidden_size, num_layers=config.num_layers,
                              num_heads=config.num_heads,
-                             gate_logit_normalizer=config.gate_logit_normalizer).to(device)
+                             gate_logit_normalizer=config.gate_logit_normalizer,
+                             use_short_conv=config.use_short_conv).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.1, betas=(0.9, 0.98))
 
     def lr_at(step):  # linear warmup, cosine decay to 10 %

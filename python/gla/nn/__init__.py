@@ -10,8 +10,9 @@ docs/nn.md describes them.
 """
 from .attention import GatedLinearAttention
 from .cache import LayerCache
+from .conv import ShortConvolution
 from .functional import ACTIVATIONS, GatedRMSNorm, RMSNorm
 from .model import GLABlock, GLALanguageModel, SwiGLU
 
-__all__ = ["GatedLinearAttention", "LayerCache", "GLALanguageModel", "GLABlock", "SwiGLU", "RMSNorm",
+__all__ = ["GatedLinearAttention", "LayerCache", "GLALanguageModel", "GLABlock", "SwiGLU", "ShortConvolution", "RMSNorm",
            "GatedRMSNorm", "ACTIVATIONS"]

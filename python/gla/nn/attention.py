@@ -12,6 +12,7 @@ from torch import Tensor
 import gla as _gla
 
 from .cache import LayerCache
+from .conv import ShortConvolution
 from .functional import GatedRMSNorm, RMSNorm, activation, wide
 
 MODES = ("auto", "chunk", "fused_recurrent")
@@ -57,6 +58,8 @@ class GatedLinearAttention(nn.Module):
         num_heads: query heads.
         num_kv_heads: key/value heads (grouped-query attention; must divide num_heads). Each k/v
             head (with its gate) serves ``num_heads // num_kv_heads`` consecutive query heads.
+        use_short_conv: a depthwise causal convolution with SiLU (``ShortConvolution``) on each of
+            the q, k and v projections; ``conv_size`` taps, ``conv_bias`` a bias.
         feature_map: None, or an activation name applied to q and k (see ``ACTIVATIONS``).
         use_output_gate: ``RMSNorm(o) * act(x W_r)``; without it the output is ``RMSNorm(o)``.
         gate_fn: the output gate's activation.
@@ -78,7 +81,8 @@ class GatedLinearAttention(nn.Module):
     """
 
     def __init__(self, hidden_size: int = 2048, expand_k: float = 0.5, expand_v: float = 1.0, num_heads: int = 4,
-                 num_kv_heads: Optional[int] = None, feature_map: Optional[str] = None, use_output_gate: bool = True,
+                 num_kv_heads: Optional[int] = None, feature_map: Optional[str] = None, use_short_conv: bool = False,
+                 conv_size: int = 4, conv_bias: bool = False, use_output_gate: bool = True,
                  gate_fn: str = "swish", elementwise_affine: bool = True, norm_eps: float = 1e-6,
                  gate_logit_normalizer: float = 16, gate_low_rank_dim: int = 16, clamp_min: Optional[float] = None,
                  mode: str = "auto", recurrent_max_len: int = 64, layer_idx: Optional[int] = None):
@@ -114,6 +118,11 @@ class GatedLinearAttention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, key_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, kv_key, bias=False)
         self.v_proj = nn.Linear(hidden_size, kv_value, bias=False)
+        self.use_short_conv = use_short_conv
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(key_dim, conv_size, conv_bias)
+            self.k_conv1d = ShortConvolution(kv_key, conv_size, conv_bias)
+            self.v_conv1d = ShortConvolution(kv_value, conv_size, conv_bias)
         self.gk_proj = nn.Sequential(nn.Linear(hidden_size, gate_low_rank_dim, bias=False),
                                      nn.Linear(gate_low_rank_dim, kv_key, bias=True))
         if use_output_gate:
@@ -151,9 +160,15 @@ class GatedLinearAttention(nn.Module):
             raise ValueError(f"cache.state: expected {list(self.state_shape(N))} (N, heads, head_k_dim, head_v_dim), "
                              f"got {list(cache.state.shape)}")
 
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_k_dim))
-        k = self._heads(self.k_proj(x), self.head_k_dim)
-        v = self._heads(self.v_proj(x), self.head_v_dim)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        conv_state = None
+        if self.use_short_conv:
+            carried = cache.conv_state if cache is not None and cache.conv_state is not None else (None,) * 3
+            (q, cq), (k, ck), (v, cv) = (conv(y, s, cu_seqlens) for conv, y, s in
+                                         zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v), carried))
+            conv_state = (cq, ck, cv)
+        q = q.unflatten(-1, (self.num_heads, self.head_k_dim))
+        k, v = self._heads(k, self.head_k_dim), self._heads(v, self.head_v_dim)
         # The gate in float32 (float64 for float64 inputs): logsigmoid / 16 spans [-inf, 0) where bf16 keeps 8 bits.
         gk = F.logsigmoid(wide(self._heads(self.gk_proj(x), self.head_k_dim))) / self.gate_logit_normalizer
         if self.clamp_min is not None:
@@ -168,7 +183,7 @@ class GatedLinearAttention(nn.Module):
         o, final_state = kernel(q, k, v, gk, initial_state=None if cache is None else cache.state,
                                 output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         if cache is not None:
-            cache.update(final_state, T)
+            cache.update(final_state, T, conv_state)
 
         norm = getattr(self, self._out_norm_name)
         if self.use_output_gate:
