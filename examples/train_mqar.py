@@ -100,7 +100,8 @@ class Config:
 
 
 FULL = Config(Task())
-QUICK = Config(Task(num_keys=32, num_values=32, pairs=8, queries=8), hidden_size=64, steps=300, eval_every=50)
+QUICK = Config(Task(num_keys=16, num_values=16, pairs=4, queries=4), hidden_size=64, steps=200, batch_size=128,
+               eval_every=25)
 
 
 def train(config: Config, device: torch.device, progress: bool = True) -> dict:

@@ -82,9 +82,18 @@ def _expected(layer: GatedLinearAttention, x, initial_state=None):
         y = y.reshape(B, T, -1, width)
         return y.repeat_interleave(groups, dim=2)
 
-    q = (x @ P["q_proj.weight"].T).reshape(B, T, H, dk)
-    k = heads(x @ P["k_proj.weight"].T, dk)
-    v = heads(x @ P["v_proj.weight"].T, dv)
+    q, k, v = x @ P["q_proj.weight"].T, x @ P["k_proj.weight"].T, x @ P["v_proj.weight"].T
+    if layer.use_short_conv:  # y_t = silu(b + sum_j w_j x_{t-(W-1)+j}), zeros before the start
+        def conv(y, name):
+            w, W = P[name + ".weight"][:, 0], P[name + ".weight"].shape[-1]
+            out = torch.zeros_like(y) + P.get(name + ".bias", 0)
+            for j in range(W):
+                shift = W - 1 - j
+                out[:, shift:] += w[:, j] * y[:, :T - shift]
+            return F.silu(out)
+        q, k, v = conv(q, "q_conv1d"), conv(k, "k_conv1d"), conv(v, "v_conv1d")
+    q = q.reshape(B, T, H, dk)
+    k, v = heads(k, dk), heads(v, dv)
     gk = heads((x @ P["gk_proj.0.weight"].T) @ P["gk_proj.1.weight"].T + P["gk_proj.1.bias"], dk)
     gk = F.logsigmoid(gk) / layer.gate_logit_normalizer
     if layer.clamp_min is not None:
@@ -128,6 +137,8 @@ OPTIONS = [
     {"gate_fn": "sigmoid", "elementwise_affine": False},
     {"feature_map": "relu"},
     {"clamp_min": -0.05, "gate_logit_normalizer": 1},
+    {"use_short_conv": True, "num_kv_heads": 2},
+    {"use_short_conv": True, "conv_size": 2, "conv_bias": True},
 ]
 
 
@@ -148,7 +159,8 @@ def test_options_change_the_output():
     base = _layer()(x)
     for options in OPTIONS[4:]:
         layer = _layer(**options)
-        state = {n: p for n, p in _layer().state_dict().items() if n in layer.state_dict()}
+        own = layer.state_dict()
+        state = {n: p for n, p in _layer().state_dict().items() if n in own and own[n].shape == p.shape}
         layer.load_state_dict(state, strict=False)
         assert rel(layer(x), base) > 1e-3, options
 
@@ -227,8 +239,9 @@ def test_dtypes_bf16_close_to_fp32():
 
 
 # ---- the cache ----
-def test_cache_continues_a_sequence():
-    layer = _layer(mode="chunk")
+@pytest.mark.parametrize("options", [{}, {"use_short_conv": True}], ids=["plain", "short_conv"])
+def test_cache_continues_a_sequence(options):
+    layer = _layer(mode="chunk", **options)
     x = _input(T=150)
     full_cache = LayerCache()
     full = layer(x, cache=full_cache)
@@ -236,6 +249,9 @@ def test_cache_continues_a_sequence():
     parts = [layer(x[:, :70], cache=cache), layer(x[:, 70:71], cache=cache), layer(x[:, 71:], cache=cache)]
     assert cache.seen_tokens == 150 and tuple(cache.state.shape) == (2, 4, 8, 16)
     assert cache.state.dtype == torch.float32
+    if layer.use_short_conv:
+        assert [tuple(c.shape) for c in cache.conv_state] == [(2, 32, 3), (2, 32, 3), (2, 64, 3)]
+        assert all(torch.equal(a, b) for a, b in zip(cache.conv_state, full_cache.conv_state))
     assert rel(torch.cat(parts, 1), full) < 1e-5
     assert rel(cache.state, full_cache.state) < 1e-5
     _, expected_state = _expected(layer, x)
@@ -243,7 +259,7 @@ def test_cache_continues_a_sequence():
 
 
 def test_cache_reset_and_initial_state():
-    layer = _layer()
+    layer = _layer()  # (no short convolution: the expected second call starts from the state alone)
     x = _input(T=80)
     cache = LayerCache()
     first = layer(x, cache=cache)
@@ -257,20 +273,20 @@ def test_cache_reset_and_initial_state():
 
 
 def test_cache_detach_cuts_the_graph():
-    layer = _layer(mode="chunk")
+    layer = _layer(mode="chunk", use_short_conv=True)
     x1 = _input(T=30).requires_grad_(True)
     x2 = _input(T=30, seed=3).requires_grad_(True)
     cache = LayerCache()
     layer(x1, cache=cache)
-    assert cache.state.requires_grad
+    assert cache.state.requires_grad and all(c.requires_grad for c in cache.conv_state)
     cache.detach()
-    assert not cache.state.requires_grad
+    assert not cache.state.requires_grad and not any(c.requires_grad for c in cache.conv_state)
     layer(x2, cache=cache).sum().backward()
     assert x1.grad is None and x2.grad is not None
 
 
 def test_cache_state_gets_gradient_through_calls():
-    layer = _layer(mode="chunk")
+    layer = _layer(mode="chunk", use_short_conv=True)
     x1 = _input(T=30).requires_grad_(True)
     cache = LayerCache()
     layer(x1, cache=cache)
@@ -278,8 +294,9 @@ def test_cache_state_gets_gradient_through_calls():
     assert x1.grad is not None and x1.grad.abs().sum() > 0
 
 
-def test_varlen_packed_sequences():
-    layer = _layer(mode="chunk")
+@pytest.mark.parametrize("options", [{}, {"use_short_conv": True}], ids=["plain", "short_conv"])
+def test_varlen_packed_sequences(options):
+    layer = _layer(mode="chunk", **options)
     x = _input(B=1, T=150)
     cu = torch.tensor([0, 40, 41, 150])
     cache = LayerCache()
@@ -318,7 +335,7 @@ def _model(**options):
 
 
 def test_model_generate_matches_full_forward():
-    model = _model(num_kv_heads=2).eval()
+    model = _model(num_kv_heads=2, use_short_conv=True).eval()
     prompt = torch.randint(0, 50, (3, 70), generator=torch.Generator().manual_seed(0))
     new = model.generate(prompt, 12)
     assert new.shape == (3, 12)
