@@ -28,8 +28,10 @@ once where there is one and carry the folder:
 then on the GPU machine (repository root, libgla built with CUDA in build-cuda/):
     pip install -q --no-index --find-links .whl-fla flash-linear-attention==0.6.0
     python3 bench/fla_model_dropin.py --lib build-cuda/libgla.so --out "$OUT"   [--quick]
-Writes fla_model_dropin.json and fla_model_dropin_loss.png into --out (default $OUT, else
+Writes fla_model_dropin_<configs>.json and ..._loss.png into --out (default $OUT, else
 bench/results/) and prints a summary table. --quick: T512, 10 steps, short generations.
+--configs 1024x8 and --configs 2048x4 in two calls keep each call short (each is a same-run
+comparison of the two kernel sets on its own).
 """
 from __future__ import annotations
 
@@ -332,7 +334,7 @@ def main():
     for spec in ARGS.configs.split(","):
         hidden, heads = (int(x) for x in spec.split("x"))
         results.append(run_config(hidden, heads, batches))
-    stem = os.path.join(ARGS.out, "fla_model_dropin")
+    stem = os.path.join(ARGS.out, "fla_model_dropin" + ("_quick" if ARGS.quick else "") + "_" + ARGS.configs.replace(",", "_"))
     with open(stem + ".json", "w") as f:
         json.dump({"args": vars(ARGS), "results": results}, f, indent=1)
     try:
