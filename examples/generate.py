@@ -34,10 +34,11 @@ def decode(model: GLALanguageModel, prompt: torch.Tensor, new_tokens: int):
     caches = model.new_caches()
     logits = model(prompt, caches)[:, -1]
     tokens, step_logits = [], []
-    for _ in range(new_tokens):
+    for step in range(new_tokens):
         step_logits.append(logits)
         tokens.append(logits.argmax(-1, keepdim=True))
-        logits = model(tokens[-1], caches)[:, -1]
+        if step + 1 < new_tokens:
+            logits = model(tokens[-1], caches)[:, -1]
     return torch.cat(tokens, 1), torch.stack(step_logits, 1)
 
 

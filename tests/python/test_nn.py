@@ -357,10 +357,17 @@ def _example(name):
     return module
 
 
-def test_example_generate_agrees_token_by_token(capsys):
-    result = _example("generate").main(["--device", "cpu"])
-    assert result["agree"] and result["checked"] >= 30
-    assert "agree" in capsys.readouterr().out
+def test_example_generate_agrees_token_by_token(capsys, monkeypatch):
+    paths = []
+    for name in ("chunked_gla", "recurrent_gla"):
+        real = getattr(attention_module, name)
+        monkeypatch.setattr(attention_module, name,
+                            lambda *a, _real=real, _name=name, **kw: paths.append(_name) or _real(*a, **kw))
+    result = _example("generate").main(["--device", "cpu", "--new-tokens", "24"])
+    assert result["agree"] and result["checked"] == 48 and result["max_rel_error"] < 1e-4
+    # 2 layers: the prompt and the full forward chunked, the 23 single-token steps recurrent
+    assert paths.count("chunked_gla") == 4 and paths.count("recurrent_gla") == 2 * 23
+    assert "agree: 48/48" in capsys.readouterr().out
 
 
 def test_example_train_mqar_quick(tmp_path):
