@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 
 import pytest
@@ -169,7 +170,7 @@ def test_gradients_gradcheck():
     """float64 end to end (gla.chunk_gla's float64 path): autograd's gradient of every input."""
     layer = _layer(hidden_size=16, num_heads=2, num_kv_heads=1, mode="chunk").double()
     x = _input(B=1, T=20, hidden=16).double().requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda x: layer(x), (x,), eps=1e-6, atol=1e-5)
+    assert torch.autograd.gradcheck(lambda x: layer(x), (x,), eps=1e-6, atol=1e-5, fast_mode=True)
 
 
 def test_parameter_gradients_match_fp64():
@@ -319,11 +320,15 @@ def test_bad_input_is_named():
         layer(torch.randn(2, 10, 64), cache={})
     with pytest.raises(ValueError, match=r"cache.state: expected \[2, 4, 8, 16\].*got \[3, 4, 8, 16\]"):
         layer(torch.randn(2, 10, 64), cache=LayerCache(torch.zeros(3, 4, 8, 16)))
+    conv = _layer(use_short_conv=True)
+    bad = (torch.zeros(2, 32, 3), torch.zeros(1, 32, 3), torch.zeros(2, 64, 3))
+    with pytest.raises(ValueError, match=r"cache.conv_state\[1\]: expected \[2, 32, 3\], got \[1, 32, 3\]"):
+        conv(torch.randn(2, 10, 64), cache=LayerCache(conv_state=bad))
     for options, message in [({"num_heads": 3, "num_kv_heads": 2}, "num_kv_heads: expected a divisor"),
                              ({"expand_k": 0.3}, "expand_k"), ({"num_heads": 5}, "num_heads: expected a divisor"),
                              ({"mode": "fast"}, "mode: expected one of"), ({"feature_map": "exp"}, "feature_map"),
                              ({"gate_fn": "nope"}, "gate_fn"), ({"gate_logit_normalizer": 0}, "gate_logit_normalizer"),
-                             ({"hidden_size": 0}, "hidden_size")]:
+                             ({"hidden_size": 0}, "hidden_size"), ({"use_short_conv": True, "conv_size": 0}, "conv_size")]:
         with pytest.raises(ValueError, match=message):
             GatedLinearAttention(**{"hidden_size": 64, "num_heads": 4, **options})
 
@@ -351,8 +356,9 @@ def test_model_caches_validated():
 
 
 def _example(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
     spec.loader.exec_module(module)
     return module
 

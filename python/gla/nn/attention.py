@@ -164,6 +164,10 @@ class GatedLinearAttention(nn.Module):
         conv_state = None
         if self.use_short_conv:
             carried = cache.conv_state if cache is not None and cache.conv_state is not None else (None,) * 3
+            for i, (conv, s) in enumerate(zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), carried)):
+                want = (N, conv.channels, conv.kernel_size - 1)
+                if s is not None and tuple(s.shape) != want:
+                    raise ValueError(f"cache.conv_state[{i}]: expected {list(want)}, got {list(s.shape)}")
             (q, cq), (k, ck), (v, cv) = (conv(y, s, cu_seqlens) for conv, y, s in
                                          zip((self.q_conv1d, self.k_conv1d, self.v_conv1d), (q, k, v), carried))
             conv_state = (cq, ck, cv)
