@@ -51,10 +51,33 @@ def recurrent_op(monkeypatch):
     return gla.fused_recurrent_gla
 
 
-def test_recurrent_stand_in_is_visible():
+def test_token_loop_matches_the_oracle():
+    """The stand-in itself, against the fp64 oracle (tests/python/oracle.py), packed sequences included."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 4, d, generator=gen) for d in (8, 8, 16))
+    gk = F.logsigmoid(torch.randn(1, 40, 4, 8, generator=gen)) / 16
+    h0 = torch.randn(3, 4, 8, 16, generator=gen)
+    o, state = _token_loop_recurrent(q, k, v, gk=gk, initial_state=h0, output_final_state=True,
+                                     cu_seqlens=torch.tensor([0, 7, 8, 40]))
+    want_o, want_state = token_loop(q, k, v, gk, initial_state=h0, cu_seqlens=[0, 7, 8, 40])[:2]
+    assert rel(o, want_o) < 1e-6 and rel(state, want_state) < 1e-6
+
+
+def test_recurrent_op_matches_the_token_loop():
+    """gla.fused_recurrent_gla in the layer's call form (per-key fp32 gate, initial state, final
+    state, packed sequences) against the token loop above."""
     if not HAS_RECURRENT:
         pytest.skip("gla.fused_recurrent_gla is not in this gla: the recurrent path runs a PyTorch token-loop "
                     "stand-in in these tests")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 4, d, generator=gen) for d in (8, 8, 16))
+    gk = F.logsigmoid(torch.randn(1, 40, 4, 8, generator=gen)) / 16
+    h0 = torch.randn(3, 4, 8, 16, generator=gen)
+    cu = torch.tensor([0, 7, 8, 40])
+    for cu_seqlens, state in ((None, h0[:1]), (cu, h0)):
+        got = gla.fused_recurrent_gla(q, k, v, gk=gk, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens)
+        want = _token_loop_recurrent(q, k, v, gk=gk, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens)
+        assert rel(got[0], want[0]) < 1e-5 and rel(got[1], want[1]) < 1e-5
 
 
 def _layer(seed=0, dtype=torch.float32, **options):
