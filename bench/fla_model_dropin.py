@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""libgla inside fla's own model: fla's GLAForCausalLM run twice with the same weights and data,
+once on fla's kernels and once with gla.chunk_gla / gla.fused_recurrent_gla put in their place
+inside fla.layers.gla (the two names that module imports from fla.ops.gla). Everything else (the
+projections, norms, MLP, fused cross-entropy, transformers' generate) is fla's code in both runs.
+
+Per configuration (default: hidden 1024 / 8 heads and hidden 2048 / 4 heads, 4 layers, vocabulary
+32000, B8 T2048, bf16 weights and activations):
+
+1. gradients: one forward + backward on the same batch with each kernel set, and once more with
+   fla's kernels on an fp32 copy of the model (TF32 off) as the reference. Per parameter group
+   (the layer index folded): the max relative error ‖a − b‖/‖b‖ of libgla against fla, and of
+   each against the fp32 reference; "within bf16 noise" = libgla's error against fp32 is at most
+   1.5x fla's own (+1e-3).
+2. training: 50 AdamW steps from the same initial weights on the same batches (a synthetic sparse
+   Markov language, learnable, generated here); the two loss curves, their largest gap, and the
+   median step time (forward + backward + optimizer, CUDA-synchronised) of each.
+3. greedy generate (transformers' generate through fla's cache): both runs from the fla-trained
+   weights, a 256-token prompt (chunked prefill), 64 new tokens (recurrent decoding); token
+   agreement.
+4. decoding throughput at batch 64: generate 128 new tokens after a 128-token prompt, minus the
+   time of a 1-token generate (the prefill), in tokens/s.
+
+fla comes from its wheels, not a dependency of libgla. On a machine without network, download them
+once where there is one and carry the folder:
+    pip download flash-linear-attention==0.6.0 transformers==5.23.0 --only-binary=:all: \
+        --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl-fla
+then on the GPU machine (repository root, libgla built with CUDA in build-cuda/):
+    pip install -q --no-index --find-links .whl-fla flash-linear-attention==0.6.0
+    python3 bench/fla_model_dropin.py --lib build-cuda/libgla.so --out "$OUT"   [--quick]
+Writes fla_model_dropin_<configs>.json and ..._loss.png into --out (default $OUT, else
+bench/results/) and prints a summary table. --quick: T512, 10 steps, short generations.
+--configs 1024x8 and --configs 2048x4 in two calls keep each call short (each is a same-run
+comparison of the two kernel sets on its own).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lib", help="libgla.so to use (sets GLA_LIBRARY)")
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--configs", default="1024x8,2048x4", help="hidden x heads, comma separated")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="T512, 10 steps, short generations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot-only", metavar="JSON", help="only redraw the PNG from a saved JSON (no GPU, no fla)")
+    args = p.parse_args()
+    if args.quick:
+        args.seq_len, args.steps = 512, 10
+    return args
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        for name, style in (("fla", "-"), ("libgla", "--")):
+            ax.plot(r["train"][name]["loss"], style, label=f"{name} kernels ({r['train'][name]['median_step_ms']:.0f} ms/step)")
+        ax.set(title=f"fla GLAForCausalLM, hidden {r['hidden']}, {r['heads']} heads, {r['layers']} layers "
+                     f"(max gap {r['max_loss_gap']:.3f})", xlabel="step", ylabel="loss")
+        ax.title.set_fontsize(9)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+ARGS = parse_args()
+if ARGS.plot_only:  # matplotlib may be missing on the GPU machine: draw the curves from the JSON later
+    with open(ARGS.plot_only) as f:
+        plot(json.load(f)["results"], os.path.splitext(ARGS.plot_only)[0] + "_loss.png")
+    sys.exit(0)
+if ARGS.lib:
+    os.environ["GLA_LIBRARY"] = os.path.abspath(ARGS.lib)
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import torch  # noqa: E402
+
+import gla  # noqa: E402
+
+try:
+    import fla.layers.gla as fla_gla_layer  # noqa: E402
+    from fla.models import GLAConfig, GLAForCausalLM  # noqa: E402
+except ImportError as error:
+    sys.exit(f"fla is not installed ({error}); see this script's docstring for the wheels")
+
+VOCAB = 32000
+
+
+@contextlib.contextmanager
+def kernels(name: str):
+    """Inside: fla.layers.gla calls libgla ("libgla") or its own kernels ("fla")."""
+    saved = fla_gla_layer.chunk_gla, fla_gla_layer.fused_recurrent_gla
+    if name == "libgla":
+        fla_gla_layer.chunk_gla, fla_gla_layer.fused_recurrent_gla = gla.chunk_gla, gla.fused_recurrent_gla
+    try:
+        yield
+    finally:
+        fla_gla_layer.chunk_gla, fla_gla_layer.fused_recurrent_gla = saved
+
+
+def markov_batches(count, batch, seq_len, seed):
+    """A sparse random first-order Markov language over VOCAB tokens (each token has 4 successors):
+    learnable, so a few steps lower the loss well below ln(32000) = 10.37."""
+    gen = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, VOCAB, (VOCAB, 4), generator=gen)
+    rows = count * batch
+    seq = torch.empty(rows, seq_len, dtype=torch.long)
+    seq[:, 0] = torch.randint(0, VOCAB, (rows,), generator=gen)
+    choice = torch.randint(0, 4, (rows, seq_len), generator=gen)
+    for t in range(1, seq_len):
+        seq[:, t] = successors[seq[:, t - 1], choice[:, t]]
+    return list(seq.view(count, batch, seq_len))
+
+
+def build(hidden, heads, layers, dtype, state=None):
+    config = GLAConfig(hidden_size=hidden, num_heads=heads, num_hidden_layers=layers, vocab_size=VOCAB,
+                       use_cache=True)
+    torch.manual_seed(ARGS.seed)
+    with torch.device("cuda"):
+        model = GLAForCausalLM(config)
+    if state is not None:
+        model.load_state_dict(state)
+    return model.to(dtype=dtype)
+
+
+def grads_of(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def group_of(name):
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def compare_grads(hidden, heads, init_state, batch):
+    ref_model = build(hidden, heads, ARGS.layers, torch.float32, init_state)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    with kernels("fla"):
+        ref_loss, ref = grads_of(ref_model, batch)
+    del ref_model
+    torch.cuda.empty_cache()
+    out = {"loss_fp32": ref_loss}
+    grads = {}
+    for name in ("fla", "libgla"):
+        model = build(hidden, heads, ARGS.layers, torch.bfloat16, init_state)
+        with kernels(name):
+            out[f"loss_{name}"], grads[name] = grads_of(model, batch)
+        del model
+        torch.cuda.empty_cache()
+    groups = {}
+    for n in ref:
+        g = groups.setdefault(group_of(n), {"libgla_vs_fla": 0.0, "libgla_vs_fp32": 0.0, "fla_vs_fp32": 0.0})
+        g["libgla_vs_fla"] = max(g["libgla_vs_fla"], rel(grads["libgla"][n], grads["fla"][n]))
+        g["libgla_vs_fp32"] = max(g["libgla_vs_fp32"], rel(grads["libgla"][n], ref[n]))
+        g["fla_vs_fp32"] = max(g["fla_vs_fp32"], rel(grads["fla"][n], ref[n]))
+    out["groups"] = groups
+    out["within_bf16_noise"] = all(g["libgla_vs_fp32"] <= 1.5 * g["fla_vs_fp32"] + 1e-3 for g in groups.values())
+    out["loss_within_bf16_noise"] = abs(out["loss_libgla"] - ref_loss) <= 1.5 * abs(out["loss_fla"] - ref_loss) + 1e-2
+    return out
+
+
+def train(name, hidden, heads, init_state, batches):
+    model = build(hidden, heads, ARGS.layers, torch.bfloat16, init_state)
+    opt = torch.optim.AdamW(model.parameters(), lr=ARGS.lr, weight_decay=0.01)
+    losses, times = [], []
+    with kernels(name):
+        for batch in batches:
+            batch = batch.cuda()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    del model, opt
+    torch.cuda.empty_cache()
+    warm = times[min(5, len(times) - 1):]  # the first steps include fla's autotune and libgla's plan cache
+    return {"loss": losses, "step_ms": [t * 1e3 for t in times], "median_step_ms": statistics.median(warm) * 1e3}, state
+
+
+@torch.no_grad()
+def generate(model, prompt, new_tokens):
+    return model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          use_cache=True, pad_token_id=0)[:, prompt.shape[1]:]
+
+
+def decode_rate(model, name, batch, prompt_len, new_tokens):
+    gen = torch.Generator().manual_seed(ARGS.seed + 7)
+    prompt = torch.randint(0, VOCAB, (batch, prompt_len), generator=gen).cuda()
+    with kernels(name):
+        generate(model, prompt, 2)  # warm-up (autotune, plan cache)
+        timings = {}
+        for n in (1, new_tokens):
+            best = math.inf
+            for _ in range(2):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                generate(model, prompt, n)
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - start)
+            timings[n] = best
+    return batch * (new_tokens - 1) / (timings[new_tokens] - timings[1])
+
+
+def nn_layer_check(hidden, heads, init_state):
+    """gla.nn.GatedLinearAttention loaded with the weights of the model's first fla layer: its
+    output (libgla kernels) against fla's layer (fla's kernels) on the same bf16 input."""
+    from gla.nn import GatedLinearAttention
+
+    model = build(hidden, heads, 1, torch.bfloat16, {k: v for k, v in init_state.items()
+                                                     if not k.startswith("model.layers.") or k.startswith("model.layers.0.")})
+    theirs = model.model.layers[0].attn
+    ours = GatedLinearAttention(hidden_size=hidden, num_heads=heads).cuda().bfloat16()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(ARGS.batch, ARGS.seq_len, hidden, device="cuda", dtype=torch.bfloat16,
+                    generator=torch.Generator("cuda").manual_seed(3))
+    with torch.no_grad(), kernels("fla"):
+        expected = theirs(x)[0].float()
+        torch.backends.cuda.matmul.allow_tf32 = False
+        exact_out = copy.deepcopy(theirs).float()(x.float())[0]  # fla's layer and kernels in fp32
+        got = ours(x).float()
+    del model
+    return {"gla_nn_vs_fla_layer": rel(got, expected), "fla_layer_vs_fp32": rel(expected, exact_out),
+            "gla_nn_vs_fp32": rel(got, exact_out)}
+
+
+def run_config(hidden, heads, batches):
+    print(f"\n=== hidden {hidden}, {heads} heads, {ARGS.layers} layers, B{ARGS.batch} T{ARGS.seq_len} bf16 ===",
+          flush=True)
+    init = {k: v.cpu() for k, v in build(hidden, heads, ARGS.layers, torch.float32).state_dict().items()}
+    result = {"hidden": hidden, "heads": heads, "layers": ARGS.layers, "batch": ARGS.batch, "seq_len": ARGS.seq_len}
+
+    # which libgla backends serve the layer's calls at this shape
+    K, V = hidden // 2 // heads, hidden // heads
+    q = torch.randn(ARGS.batch, ARGS.seq_len, heads, K, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(ARGS.batch, ARGS.seq_len, heads, V, device="cuda", dtype=torch.bfloat16)
+    for what, backward in (("forward", False), ("backward", True)):
+        text = gla.explain(q, q, v, q, state_v_first=True, backward=backward)
+        result[f"libgla_{what}"] = [line for line in text.splitlines() if line.startswith("decision")]
+        print(f"libgla {what}: {'; '.join(result[f'libgla_{what}'])}")
+    del q, v
+
+    result["nn_layer"] = nn_layer_check(hidden, heads, init)
+    e = result["nn_layer"]
+    print(f"gla.nn.GatedLinearAttention with fla's layer-0 weights: rel {e['gla_nn_vs_fla_layer']:.2e} to fla's "
+          f"layer; to an fp32 run {e['gla_nn_vs_fp32']:.2e} (fla's layer: {e['fla_layer_vs_fp32']:.2e})", flush=True)
+    result["grads"] = compare_grads(hidden, heads, init, batches[0].cuda())
+    g = result["grads"]
+    print(f"loss: fp32 {g['loss_fp32']:.5f}  fla {g['loss_fla']:.5f}  libgla {g['loss_libgla']:.5f}")
+    print(f"{'parameter group':44s} {'libgla/fla':>11s} {'libgla/fp32':>11s} {'fla/fp32':>11s}")
+    for name, e in g["groups"].items():
+        print(f"{name:44s} {e['libgla_vs_fla']:11.2e} {e['libgla_vs_fp32']:11.2e} {e['fla_vs_fp32']:11.2e}")
+    print(f"gradients within bf16 noise: {g['within_bf16_noise']}", flush=True)
+
+    runs, states = {}, {}
+    for name in ("fla", "libgla"):
+        runs[name], states[name] = train(name, hidden, heads, init, batches)
+        print(f"train {name}: loss {runs[name]['loss'][0]:.4f} -> {runs[name]['loss'][-1]:.4f}, "
+              f"median step {runs[name]['median_step_ms']:.1f} ms", flush=True)
+    result["train"] = runs
+    result["max_loss_gap"] = max(abs(a - b) for a, b in zip(runs["fla"]["loss"], runs["libgla"]["loss"]))
+    result["train_speedup"] = runs["fla"]["median_step_ms"] / runs["libgla"]["median_step_ms"]
+
+    model = build(hidden, heads, ARGS.layers, torch.bfloat16, states["fla"]).eval()
+    prompt = batches[-1][:4, :256 if not ARGS.quick else 128].cuda()
+    new = 16 if ARGS.quick else 64
+    tokens = {}
+    for name in ("fla", "libgla"):
+        with kernels(name):
+            tokens[name] = generate(model, prompt, new)
+    agree = (tokens["fla"] == tokens["libgla"]).float().mean().item()
+    differs = (tokens["fla"] != tokens["libgla"]).any(0).nonzero()
+    result["generate"] = {"agreement": agree, "first_difference": int(differs[0]) if len(differs) else None,
+                          "fla": tokens["fla"].tolist(), "libgla": tokens["libgla"].tolist()}
+    print(f"greedy generate: {agree * 100:.1f}% of {tokens['fla'].numel()} tokens agree", flush=True)
+
+    decode_new = 16 if ARGS.quick else 128
+    result["decode_tokens_per_s"] = {name: decode_rate(model, name, ARGS.decode_batch, 128, decode_new)
+                                     for name in ("fla", "libgla")}
+    r = result["decode_tokens_per_s"]
+    result["decode_speedup"] = r["libgla"] / r["fla"]
+    print(f"decode at batch {ARGS.decode_batch}: fla {r['fla']:.0f} tok/s, libgla {r['libgla']:.0f} tok/s", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    if not hasattr(gla, "fused_recurrent_gla"):
+        sys.exit("this gla has no gla.fused_recurrent_gla")
+    os.makedirs(ARGS.out, exist_ok=True)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, libgla {gla.version()} ({gla.library_path()}), "
+          f"fla {getattr(__import__('fla'), '__version__', '?')}")
+    batches = markov_batches(ARGS.steps, ARGS.batch, ARGS.seq_len, ARGS.seed)
+    results = []
+    for spec in ARGS.configs.split(","):
+        hidden, heads = (int(x) for x in spec.split("x"))
+        results.append(run_config(hidden, heads, batches))
+    stem = os.path.join(ARGS.out, "fla_model_dropin" + ("_quick" if ARGS.quick else "") + "_" + ARGS.configs.replace(",", "_"))
+    with open(stem + ".json", "w") as f:
+        json.dump({"args": vars(ARGS), "results": results}, f, indent=1)
+    try:
+        plot(results, stem + "_loss.png")
+    except ImportError:
+        print(f"no matplotlib here: draw the curves with --plot-only {stem}.json")
+
+    print("\n| config | loss fla / libgla | grads in bf16 noise | max loss gap (curve) | generate agree "
+          "| train step fla / libgla | speedup | decode tok/s fla / libgla | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        g, t, d = r["grads"], r["train"], r["decode_tokens_per_s"]
+        print(f"| {r['hidden']}/{r['heads']}h/{r['layers']}L | {g['loss_fla']:.4f} / {g['loss_libgla']:.4f} "
+              f"| {g['within_bf16_noise']} | {r['max_loss_gap']:.4f} | {r['generate']['agreement'] * 100:.1f}% "
+              f"| {t['fla']['median_step_ms']:.1f} / {t['libgla']['median_step_ms']:.1f} ms | {r['train_speedup']:.2f}x "
+              f"| {d['fla']:.0f} / {d['libgla']:.0f} | {r['decode_speedup']:.2f}x |")
+    print(f"\nwrote {stem}.json and {stem}_loss.png")
+
+
+if __name__ == "__main__":
+    main()
