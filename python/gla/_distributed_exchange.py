@@ -12,26 +12,18 @@ import torch
 from torch import Tensor
 
 
-class _Done:
-    def __init__(self, result: Tensor):
-        self._result = result
-
-    def wait(self) -> Tensor:
-        return self._result
-
-
 class InMemory:
-    """All `world_size` ranks live in this process; `start` receives one payload per rank."""
+    """All `world_size` ranks live in this process; `all_gather` receives one payload per rank."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.local_ranks: Tuple[int, ...] = tuple(range(world_size))
         self.sent_bytes: List[int] = []  # per gather: bytes one rank sends
 
-    def start(self, payloads: Sequence[Tensor]):
-        """Begins the gather; `.wait()` gives [world_size, *payload.shape]."""
+    def all_gather(self, payloads: Sequence[Tensor]) -> Tensor:
+        """[world_size, *payload.shape] from one payload per rank."""
         self.sent_bytes.append(payloads[0].numel() * payloads[0].element_size())
-        return _Done(torch.stack(list(payloads)))
+        return torch.stack(list(payloads))
 
 
 class TorchDistributed:
@@ -48,19 +40,11 @@ class TorchDistributed:
         self.local_ranks: Tuple[int, ...] = (dist.get_rank(group),)
         self.sent_bytes: List[int] = []
 
-    def start(self, payloads: Sequence[Tensor]):
+    def all_gather(self, payloads: Sequence[Tensor]) -> Tensor:
+        """[world_size, *payload.shape] from this rank's one payload."""
         (payload,) = payloads
         payload = payload.contiguous()
         self.sent_bytes.append(payload.numel() * payload.element_size())
         out = payload.new_empty((self.world_size,) + tuple(payload.shape))
-        work = self._dist.all_gather(list(out.unbind(0)), payload, group=self.group, async_op=True)
-        return _Pending(work, out)
-
-
-class _Pending:
-    def __init__(self, work, out: Tensor):
-        self._work, self._out = work, out
-
-    def wait(self) -> Tensor:
-        self._work.wait()
-        return self._out
+        self._dist.all_gather(list(out.unbind(0)), payload, group=self.group)
+        return out

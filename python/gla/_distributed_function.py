@@ -166,8 +166,7 @@ class ContextParallel(torch.autograd.Function):
             outs.append(o)
             finals.append(F)
             payloads.append(payload)
-        pending = ex.start(payloads)
-        gathered = pending.wait()
+        gathered = ex.all_gather(payloads)
         L_all, D_all = gathered[..., :V], gathered[..., V]
 
         # 3-4: fold the predecessors into the incoming state and complete the incoming segment
@@ -232,7 +231,7 @@ class ContextParallel(torch.autograd.Function):
                     seqs = [lay.segments[0].seq] if plan.varlen else list(range(B))
                     payload += last.unsqueeze(-1) * dfs[seqs].to(acc)
             payloads.append(payload)
-        dS_all = ex.start(payloads).wait()
+        dS_all = ex.all_gather(payloads)
 
         # 2-3: fold the successors' gradients, then one ordinary backward call per rank
         dh0 = torch.zeros_like(h0k) if ctx.has_h0 else None

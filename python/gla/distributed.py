@@ -77,7 +77,7 @@ def build_context(local_tokens: int, cu_seqlens: Optional[Union[Tensor, Sequence
     ex = _exchange.TorchDistributed(group)
     if device is None:
         device = _collective_device(group)
-    counts = ex.start([torch.tensor([int(local_tokens)], dtype=torch.int64, device=device)]).wait()
+    counts = ex.all_gather([torch.tensor([int(local_tokens)], dtype=torch.int64, device=device)])
     return Context(_boundaries(counts[:, 0].tolist()), cu_seqlens)
 
 
@@ -239,7 +239,7 @@ def _agreed_context(ex, group, q, k, v, initial_state, cu_seqlens) -> Context:
     else:
         mine = [-1, -1, -1, -1, -1, -1]
     device = q.device if (shapes_ok and _collective_device(group).type != "cpu") else torch.device("cpu")
-    table = ex.start([torch.tensor(mine, dtype=torch.int64, device=device)]).wait().tolist()
+    table = ex.all_gather([torch.tensor(mine, dtype=torch.int64, device=device)]).tolist()
     bad = [r for r, row in enumerate(table) if row[0] < 0]
     if bad:
         if ex.local_ranks[0] in bad:
