@@ -9,7 +9,7 @@ Forward, per rank (S_in is the true state entering the rank's incoming segment):
   3. fold the predecessors: S_in = L_p0, then S_in = D_p * S_in + L_p along the chain;
   4. complete the incoming segment, which is linear in its initial state:
      o_t += scale * (q_t * exp(G_t)) S_in, and its final state (if it ends here) += exp(G_last) * S_in,
-     G_t the cumulative gate from the segment's start (summed in fp64).
+     G_t the cumulative gate from the segment's start (64-token scans, fp64 carries).
 Backward, per rank:
   1. local dS = the gradient of this rank's outputs with respect to S_in (the transpose of step 4);
   2. one all-gather of dS [M, H, K, V]; the gradient T of the outgoing sequence's state at the rank's
@@ -32,7 +32,8 @@ from torch import Tensor
 from . import _ops
 from ._distributed_plan import Plan, RankLayout
 
-CUMSUM_BLOCK = 4096  # tokens per block of the fp64 cumulative gate: bounds the temporary to 8·H·K·4096 bytes
+CUMSUM_BLOCK = 4096  # tokens per block of the cumulative gate: bounds its temporaries to a few H·K·4096 floats
+SCAN = 64  # tokens per inner scan (6 doubling steps)
 
 
 @dataclass
@@ -78,16 +79,39 @@ def _per_key(g: Tensor, K: int) -> Tensor:
     return g.unsqueeze(-1).expand(*g.shape, K) if g.dim() == 3 else g
 
 
+def _scan_decay(g: Tensor, offset: Tensor, acc: torch.dtype) -> Tensor:
+    """exp(offset + G_t), G_t = sum_{u <= t} g_u along dim 1 (g per key): inclusive scans of 64 tokens
+    by doubling in `acc`, their totals carried in fp64 (torch's cumsum along dim 1 took 28 ms for
+    2048x4x64 fp64 on the CPU where this takes 2.6 ms; 3.5e-8 relative error against fp64)."""
+    M, t = g.shape[:2]
+    rest = tuple(g.shape[2:])
+    nb = -(-t // SCAN)
+    y = g.to(acc)
+    if nb * SCAN != t:
+        y = torch.cat([y, y.new_zeros((M, nb * SCAN - t) + rest)], dim=1)
+    y = y.reshape((M, nb, SCAN) + rest)
+    step = 1
+    while step < SCAN:
+        z = y.clone()
+        z[:, :, step:] += y[:, :, :-step]
+        y, step = z, 2 * step
+    totals = torch.cumsum(y[:, :, -1].double(), dim=1)
+    carry = torch.cat([offset.unsqueeze(1), offset.unsqueeze(1) + totals[:, :-1]], dim=1)  # never -inf - -inf
+    e = torch.exp(y) * torch.exp(carry).to(acc).unsqueeze(2)
+    return e.reshape((M, nb * SCAN) + rest)[:, :t]
+
+
 def _decays(g: Tensor, K: int, acc: torch.dtype):
-    """exp(G_t) for G_t = sum_{u <= t} g_u along dim 1, in blocks (fp64 sums): yields (t0, t1, exp(G))."""
-    carry = None
+    """exp(G_t) for G_t = sum_{u <= t} g_u along dim 1, in blocks of CUMSUM_BLOCK tokens: yields
+    (t0, t1, exp(G[t0:t1])) [M, t1 - t0, H, K]."""
+    offset = None
     for t0 in range(0, g.shape[1], CUMSUM_BLOCK):
         t1 = min(g.shape[1], t0 + CUMSUM_BLOCK)
-        G = torch.cumsum(_per_key(g[:, t0:t1], K).double(), dim=1)
-        if carry is not None:
-            G = G + carry
-        carry = G[:, -1:]
-        yield t0, t1, torch.exp(G).to(acc)
+        block = _per_key(g[:, t0:t1], K)
+        if offset is None:
+            offset = torch.zeros((block.shape[0],) + tuple(block.shape[2:]), dtype=torch.float64, device=g.device)
+        yield t0, t1, _scan_decay(block, offset, acc)
+        offset = offset + block.double().sum(dim=1)
 
 
 def _offsets(call: Call, lay: RankLayout, device: torch.device):

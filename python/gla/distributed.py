@@ -120,12 +120,14 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float]
     if context is not None and cu_seqlens is not None:
         raise ValueError("cu_seqlens: pass the global offsets either to build_context or here, not both")
     ex = _exchange.TorchDistributed(group)
-    if context is None:
-        context = _agreed_context(ex, group, q, k, v, initial_state, cu_seqlens)
     rank = ex.local_ranks[0]
-    if context.world_size != ex.world_size:
-        raise ValueError(f"context: built for {context.world_size} ranks, but the group has {ex.world_size}")
-    _check_rank_input(context, rank, q, k, v, g, initial_state, state_v_first)
+    if context is None:
+        context = _agreed_context(ex, group, q, k, v, g, initial_state, state_v_first, _host_list(cu_seqlens))
+    else:
+        if context.world_size != ex.world_size:
+            raise ValueError(f"context: built for {context.world_size} ranks, but the group has {ex.world_size}")
+        _check_local(q, k, v, g, initial_state, state_v_first, _num_sequences(context, None))
+    _check_tokens(context, rank, q)
     call = _call(context, ex, q, scale, output_final_state, state_v_first)
     out = _function.run(call, initial_state, [(q, k, v, g)])
     return out[0], (out[1] if output_final_state else None)
@@ -147,17 +149,21 @@ def simulate(q: Sequence[Tensor], k: Sequence[Tensor], v: Sequence[Tensor], g: S
         if len(parts) != len(q) or len(parts) == 0:
             raise ValueError(f"{name}: expected {len(q)} per-rank slices (one per rank, as q), got {len(parts)}")
     W = len(q)
+    for name, parts in lists:
+        for r, t in enumerate(parts):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name}[{r}]: expected a torch.Tensor, got {type(t).__name__}")
+    if initial_state is not None and not isinstance(initial_state, Tensor):
+        raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
+    cu = _host_list(cu_seqlens)
     for r in range(W):
-        if not isinstance(q[r], Tensor) or q[r].dim() != 4:
-            raise ValueError(f"q[{r}]: expected a tensor [B, T_r, H, K], got "
-                             f"{list(q[r].shape) if isinstance(q[r], Tensor) else type(q[r]).__name__}")
-    context = Context(_boundaries([x.shape[1] for x in q]), cu_seqlens)
+        _check_local(q[r], k[r], v[r], g[r], initial_state, state_v_first, _num_sequences(None, cu), where=f"[{r}]")
+    context = Context(_boundaries([x.shape[1] for x in q]), cu)
     ex = exchange if exchange is not None else _exchange.InMemory(W)
     if ex.world_size != W:
         raise ValueError(f"exchange: expected an InMemory of {W} ranks, got {ex.world_size}")
-    for r in range(W):
-        _check_rank_input(context, r, q[r], k[r], v[r], g[r], initial_state, state_v_first, where=f"[{r}]")
-        if r and (q[r].shape[0], q[r].shape[2:], v[r].shape[2:], q[r].dtype) != \
+    for r in range(1, W):
+        if (q[r].shape[0], q[r].shape[2:], v[r].shape[2:], q[r].dtype) != \
                 (q[0].shape[0], q[0].shape[2:], v[0].shape[2:], q[0].dtype):
             raise ValueError(f"q[{r}], v[{r}]: expected B, H, K, V and dtype of rank 0 ({_signature(q[0], v[0])}), "
                              f"got {_signature(q[r], v[r])}")
@@ -204,21 +210,23 @@ def _signature(q: Tensor, v: Tensor) -> str:
     return f"B={B}, H={H}, K={K}, V={v.shape[-1]}, {q.dtype}"
 
 
-def _check_rank_input(context: Context, rank: int, q, k, v, g, initial_state, state_v_first, where: str = ""):
-    """What the local library call cannot see: this rank's token count against the layout, B = 1
-    for packed input, and the initial state's global shape. The library checks the rest."""
-    plan = context.plan
+def _check_local(q, k, v, g, initial_state, state_v_first, num_sequences: Optional[int], where: str = ""):
+    """What one rank can check alone before any collective: shapes of q, k, v, g against each other,
+    B = 1 for packed input (num_sequences given), and the initial state's global shape and dtype.
+    The library's local call checks the rest (dtypes of g, strides, devices)."""
     if q.dim() != 4:
         raise ValueError(f"q{where}: expected shape [B, T_r, H, K], got {list(q.shape)}")
-    if v.dim() != 4:
-        raise ValueError(f"v{where}: expected shape [B, T_r, H, V], got {list(v.shape)}")
-    if q.shape[1] != plan.ranks[rank].tokens:
-        raise ValueError(f"q{where}: rank {rank} holds tokens [{plan.ranks[rank].begin}, {plan.ranks[rank].end}) "
-                         f"of the layout ({plan.ranks[rank].tokens}), got T = {q.shape[1]}")
-    if plan.varlen and q.shape[0] != 1:
+    if k.shape != q.shape:
+        raise ValueError(f"k{where}: expected q's shape {list(q.shape)}, got {list(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v{where}: expected shape [B, T_r, H, V] = {list(q.shape[:3])} + [V], got {list(v.shape)}")
+    if g.shape != q.shape and g.shape != q.shape[:3]:
+        raise ValueError(f"g{where}: expected shape {list(q.shape)} (per key) or {list(q.shape[:3])} (per head), "
+                         f"got {list(g.shape)}")
+    if num_sequences is not None and q.shape[0] != 1:
         raise ValueError(f"q{where}: expected B = 1 with cu_seqlens (packed input), got B = {q.shape[0]}")
     if initial_state is not None:
-        N = plan.num_sequences if plan.varlen else q.shape[0]
+        N = num_sequences if num_sequences is not None else q.shape[0]
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
         want = (N, H, V, K) if state_v_first else (N, H, K, V)
         if tuple(initial_state.shape) != want:
@@ -230,30 +238,41 @@ def _check_rank_input(context: Context, rank: int, q, k, v, g, initial_state, st
             raise ValueError(f"initial_state: expected q's device {q.device}, got {initial_state.device}")
 
 
-def _agreed_context(ex, group, q, k, v, initial_state, cu_seqlens) -> Context:
-    """Builds the context with one all-gather of (T_r, B, H, K, V, dtype) and checks that every rank
-    agrees, so a mismatch raises the same error on every rank instead of hanging a collective."""
-    shapes_ok = isinstance(q, Tensor) and isinstance(v, Tensor) and q.dim() == 4 and v.dim() == 4
-    if shapes_ok and q.dtype in _DTYPES:
-        mine = [q.shape[1], q.shape[0], q.shape[2], q.shape[3], v.shape[3], _DTYPES.index(q.dtype)]
-    else:
-        mine = [-1, -1, -1, -1, -1, -1]
-    device = q.device if (shapes_ok and _collective_device(group).type != "cpu") else torch.device("cpu")
+def _check_tokens(context: Context, rank: int, q, where: str = ""):
+    lay = context.plan.ranks[rank]
+    if q.shape[1] != lay.tokens:
+        raise ValueError(f"q{where}: rank {rank} holds tokens [{lay.begin}, {lay.end}) of the layout "
+                         f"({lay.tokens}), got T = {q.shape[1]}")
+
+
+def _num_sequences(context: Optional[Context], cu: Optional[List[int]]) -> Optional[int]:
+    if context is not None:
+        return context.plan.num_sequences if context.plan.varlen else None
+    return len(cu) - 1 if cu is not None else None
+
+
+def _agreed_context(ex, group, q, k, v, g, initial_state, state_v_first, cu: Optional[List[int]]) -> Context:
+    """Checks this rank's input, then builds the context with one all-gather of (T_r, B, H, K, V,
+    dtype, ok) and checks that every rank agrees: a bad input or a mismatch raises on every rank
+    instead of leaving the others in a collective."""
+    try:
+        _check_local(q, k, v, g, initial_state, state_v_first, _num_sequences(None, cu))
+        error = None
+        mine = [q.shape[1], q.shape[0], q.shape[2], q.shape[3], v.shape[3],
+                _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES), 1]
+    except (ValueError, TypeError) as e:
+        error, mine = e, [0] * 6 + [0]
+    device = q.device if _collective_device(group).type != "cpu" else torch.device("cpu")
     table = ex.all_gather([torch.tensor(mine, dtype=torch.int64, device=device)]).tolist()
-    bad = [r for r, row in enumerate(table) if row[0] < 0]
+    if error is not None:
+        raise error
+    bad = [r for r, row in enumerate(table) if not row[6]]
     if bad:
-        if ex.local_ranks[0] in bad:
-            raise ValueError(f"q: expected a 4-D tensor [B, T_r, H, K] of {', '.join(map(str, _DTYPES))} and a 4-D v, "
-                             f"got {_describe(q)} and {_describe(v)}")
-        raise ValueError(f"q: rank(s) {bad} passed an invalid q or v (see the error on those ranks)")
+        raise ValueError(f"q: rank(s) {bad} of the group rejected their input (their error names the argument)")
     names = ("B", "H", "K", "V", "dtype")
     for i, name in enumerate(names, start=1):
         values = [row[i] for row in table]
         if len(set(values)) > 1:
-            shown = [str(_DTYPES[x]) for x in values] if name == "dtype" else values
+            shown = [str(_DTYPES[x]) if x < len(_DTYPES) else "other" for x in values] if name == "dtype" else values
             raise ValueError(f"q: every rank must pass the same {name}; got {shown} by rank")
-    return Context(_boundaries([row[0] for row in table]), cu_seqlens)
-
-
-def _describe(t) -> str:
-    return f"{t.dtype} {list(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+    return Context(_boundaries([row[0] for row in table]), cu)

@@ -220,9 +220,13 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="q: expected a list of per-rank tensors, got Tensor"):
         gd.simulate(inp["q"], k, v, g)
     with pytest.raises(ValueError, match=r"q\[1\], v\[1\]: expected B, H, K, V and dtype of rank 0"):
-        gd.simulate([q[0], q[1][..., :4]], k, v, g, cu_seqlens=cu)
+        gd.simulate(q[:1] + [q[1][:, :, :1]], k[:1] + [k[1][:, :, :1]], v[:1] + [v[1][:, :, :1]],
+                    g[:1] + [g[1][:, :, :1]], cu_seqlens=cu)
+    T1 = case["bounds"][2] - case["bounds"][1]
+    with pytest.raises(ValueError, match=rf"g\[1\]: expected shape \[1, {T1}, 2, 8\] \(per key\) or \[1, {T1}, 2\]"):
+        gd.simulate(q, k, v, g[:1] + [g[1][:, :, :, :3]], cu_seqlens=cu)
     with pytest.raises(ValueError, match="q: rank 0 holds tokens"):
-        gd._check_rank_input(gd.Context([0, 10, 190], cu), 0, q[0], k[0], v[0], g[0], None, False)
+        gd._check_tokens(gd.Context([0, 10, 190], cu), 0, q[0])
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         gd.chunk_gla(q[0], k[0], v[0], g[0], cu_seqlens=cu)
     with pytest.raises(ValueError, match="cu_seqlens: pass the global offsets either to build_context or here"):
@@ -298,11 +302,16 @@ def _gloo_case(rank, world, name, case, group=None):
 
 
 def _gloo_mismatch(rank, world):
-    """Ranks disagreeing on H: every rank raises the same error (no collective left hanging)."""
+    """Ranks disagreeing on H, or one rank's bad input: every rank raises (no collective left hanging)."""
     H = 2 + (rank == world - 1)
     q = torch.rand(1, 10, H, 8)
     with pytest.raises(ValueError, match=r"q: every rank must pass the same H; got \[2, .*3\] by rank"):
         gd.chunk_gla(q, q, torch.rand(1, 10, H, 4), -q, cu_seqlens=[0, 10 * world])
+    q = torch.rand(1, 10, 2, 8)
+    g = -q[..., :3] if rank == 1 else -q
+    want = r"g: expected shape \[1, 10, 2, 8\]" if rank == 1 else r"q: rank\(s\) \[1\] of the group rejected their input"
+    with pytest.raises(ValueError, match=want):
+        gd.chunk_gla(q, q, torch.rand(1, 10, 2, 4), g, cu_seqlens=[0, 10 * world])
 
 
 @pytest.mark.parametrize("world", [2, 4])
