@@ -48,34 +48,6 @@ def run(W, B, T, H, K, V, packed, dtype):
     return dict(fwd=ex.sent_bytes[0], bwd=ex.sent_bytes[1], act=activations, err=err, tokens=tokens)
 
 
-def completion_share(T, H, K, V, repeats=3):
-    """Time of the linear completion of an incoming segment of T tokens (fp64 cumulative gate, exp,
-    one einsum) over the time of the local chunk_gla forward on the same tokens (best of `repeats`)."""
-    import time
-
-    from gla import _distributed_function as f
-
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.rand(1, T, H, d, generator=gen) for d in (K, K, V))
-    g = F.logsigmoid(torch.rand(1, T, H, K, generator=gen)) / 16
-    S = torch.randn(1, H, K, V, generator=gen)
-
-    def best(fn):
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    def completion():
-        for t0, t1, e in f._decays(g, K, torch.float32):
-            torch.einsum("bthk,bhkv->bthv", q[:, t0:t1] * e, S)
-
-    local = best(lambda: gla.chunk_gla(q, k, v, g, output_final_state=True))
-    return best(completion) / local, local
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096, help="total tokens (default 4096)")
@@ -101,9 +73,6 @@ def main():
         act = tokens * H_ * (3 * K_ + 2 * V_) * DTYPE_BYTES[dt]
         sent = (H_ * K_ * (V_ + 1) + H_ * K_ * V_) * 4
         print(f"| {H_} | {K_} | {V_} | {tokens} | {str(dt)[6:]} | {act:,} B | {sent:,} B | {sent / act:.2e} |")
-    share, local = completion_share(args.tokens // 2, H, K, V)
-    print(f"\ncompletion of an incoming segment of {args.tokens // 2} tokens (fp32): {share:.2f} x the local "
-          f"forward call ({local * 1e3:.1f} ms), threads {torch.get_num_threads()}")
 
 
 if __name__ == "__main__":

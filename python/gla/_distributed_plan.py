@@ -55,9 +55,11 @@ class RankLayout:
         """The rank holds only the interior of one sequence (incoming and outgoing)."""
         return self.incoming and self.outgoing and len(self.segments) == 1
 
-    def local_offsets(self) -> List[int]:
-        """cu_seqlens of the local packed call (one entry per segment, zero-length ones included)."""
-        return [0] + [s.end for s in self.segments]
+    def local_offsets(self, first: int = 0) -> List[int]:
+        """cu_seqlens of a local packed call over segments[first:] (zero-length ones included),
+        relative to the first of them."""
+        base = self.segments[first].begin if first < len(self.segments) else self.tokens
+        return [0] + [s.end - base for s in self.segments[first:]]
 
 
 class Plan:

@@ -214,7 +214,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing offsets starting at 0"):
         gd.simulate(q, k, v, g, cu_seqlens=[0, 100, 90, 190])
     with pytest.raises(ValueError, match=r"q\[0\]: expected B = 1 with cu_seqlens"):
-        gd.simulate([x.expand(2, -1, -1, -1) for x in q], k, v, g, cu_seqlens=cu)
+        gd.simulate(*[[x.expand(2, *x.shape[1:]) for x in parts] for parts in (q, k, v, g)], cu_seqlens=cu)
     with pytest.raises(ValueError, match=r"k: expected 2 per-rank slices"):
         gd.simulate(q, k[:1], v, g, cu_seqlens=cu)
     with pytest.raises(TypeError, match="q: expected a list of per-rank tensors, got Tensor"):
