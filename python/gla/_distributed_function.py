@@ -94,17 +94,17 @@ def _offsets(call: Call, lay: RankLayout, first: int, device: torch.device):
     return call.offsets[key]
 
 
-def _states(count: int, rows: List[int], values: Optional[Tensor], shape, device,
+def _states(count: int, rows: List[int], values: Optional[Tensor], shape, device, dtype,
             more_rows: List[int] = (), more: Optional[Tensor] = None) -> Optional[Tensor]:
-    """[count, H, K, V] fp32 with `values` in `rows` and `more` in `more_rows`, 0 elsewhere; None when
+    """[count, H, K, V] (fp32; fp64 for fp64 inputs) with `values` in `rows` and `more` in `more_rows`, 0 elsewhere; None when
     both are absent (a zero state)."""
     if (values is None or not rows) and (more is None or not more_rows):
         return None
-    out = torch.zeros((count,) + tuple(shape), dtype=torch.float32, device=device)
+    out = torch.zeros((count,) + tuple(shape), dtype=dtype, device=device)
     if values is not None and rows:
-        out[list(rows)] = values.to(torch.float32)
+        out[list(rows)] = values.to(dtype)
     if more is not None and more_rows:
-        out[list(more_rows)] = more.to(torch.float32)
+        out[list(more_rows)] = more.to(dtype)
     return out
 
 
@@ -140,7 +140,7 @@ def _incoming_state_grad(call: Call, q: Tensor, g: Tensor, do: Tensor, dfinal: O
     qr, gr, dor = q.flip(1), shifted.flip(1), do.flip(1)
     init = dfinal / call.scale if dfinal is not None else None
     _, Z = _fwd(call, qr, qr, dor.to(q.dtype), gr, init)
-    first = torch.exp(_per_key(g[:, :1], K)[:, 0].to(torch.float32))
+    first = torch.exp(_per_key(g[:, :1], K)[:, 0].to(Z.dtype))
     return call.scale * first.unsqueeze(-1) * Z
 
 
@@ -170,7 +170,7 @@ class ContextParallel(torch.autograd.Function):
                 cu, host = _offsets(call, lay, rw.first, q.device) if plan.varlen else (None, None)
                 sl = slice(rw.rest_begin, None)
                 h0_rows = [h0k[rw.start_seqs]] if (h0k is not None and rw.start) else [None]
-                init = _states(rw.rest_count, rw.rest_rows(rw.start), h0_rows[0], (H, K, V), q.device)
+                init = _states(rw.rest_count, rw.rest_rows(rw.start), h0_rows[0], (H, K, V), q.device, acc)
                 result = _fwd(call, q[:, sl], k[:, sl], v[:, sl], g[:, sl], init, cu, host)
                 if rw.outgoing:
                     payload[..., :V] = result[1][rw.rest_rows(rw.outgoing)]
@@ -184,17 +184,17 @@ class ContextParallel(torch.autograd.Function):
         # 3-4: fold the predecessors, then the incoming segment from its true state
         outs, finals, incoming_states = [], [], []
         for lay, rw, (q, k, v, g), result in zip(lays, rows, groups, rest):
-            F = torch.zeros(rw.count, H, K, V, dtype=torch.float32, device=q.device)
+            F = torch.zeros(rw.count, H, K, V, dtype=acc, device=q.device)
             if result is not None and not rw.spans:
-                F[rw.first:] = result[1]
+                F[rw.first:] = result[1].to(acc)
             S = None
             parts = []
             if lay.incoming:
                 S = _fold_forward(lay, L_all, D_all)
                 sl = slice(0, rw.in_len)
-                o_in, F_in = _fwd(call, q[:, sl], k[:, sl], v[:, sl], g[:, sl], S.to(torch.float32))
+                o_in, F_in = _fwd(call, q[:, sl], k[:, sl], v[:, sl], g[:, sl], S)
                 parts.append(o_in)
-                F[rw.incoming] = F_in
+                F[rw.incoming] = F_in.to(acc)
             if result is not None and not rw.spans:
                 parts.append(result[0])
             o = torch.cat(parts, dim=1) if len(parts) > 1 else (parts[0] if parts else v.new_empty(v.shape))
@@ -205,8 +205,7 @@ class ContextParallel(torch.autograd.Function):
         results = list(outs)
         if call.output_final_state:
             for rw, F, q in zip(rows, finals, (grp[0] for grp in groups)):
-                fs = torch.zeros(plan.num_sequences if plan.varlen else B, H, K, V, dtype=torch.float32,
-                                 device=q.device)
+                fs = torch.zeros(plan.num_sequences if plan.varlen else B, H, K, V, dtype=acc, device=q.device)
                 if rw.end:
                     fs[rw.end_seqs] = F[rw.end]
                 results.append(fs.transpose(-1, -2).contiguous() if call.state_v_first else fs)
@@ -237,7 +236,7 @@ class ContextParallel(torch.autograd.Function):
         for rw, (q, k, v, g), S, do, dfs in zip(ctx.rows, groups, incoming_states, d_out, d_final):
             payload = torch.zeros(M, H, K, V, dtype=acc, device=q.device)
             if S is not None:
-                dfin = dfs[rw.in_seqs].to(torch.float32) if (rw.in_ends_here and dfs is not None) else None
+                dfin = dfs[rw.in_seqs].to(acc) if (rw.in_ends_here and dfs is not None) else None
                 sl = slice(0, rw.in_len)
                 payload += _incoming_state_grad(call, q[:, sl], g[:, sl], do[:, sl], dfin).to(acc)
             payloads.append(payload)
@@ -252,10 +251,10 @@ class ContextParallel(torch.autograd.Function):
                 continue
             cu, host = _offsets(call, lay, 0, q.device) if plan.varlen else (None, None)
             h0_rows = h0k[rw.start_seqs] if (h0k is not None and rw.start) else None
-            init = _states(rw.count, rw.start, h0_rows, (H, K, V), q.device, rw.incoming, S)
+            init = _states(rw.count, rw.start, h0_rows, (H, K, V), q.device, acc, rw.incoming, S)
             T = _fold_backward(lay, dS_all, D_all) if rw.outgoing else None
             dfs_rows = dfs[rw.end_seqs] if (dfs is not None and rw.end) else None
-            dht = _states(rw.count, rw.end, dfs_rows, (H, K, V), q.device, rw.outgoing, T)
+            dht = _states(rw.count, rw.end, dfs_rows, (H, K, V), q.device, acc, rw.outgoing, T)
             dq, dk, dv, dg, dinit = torch.ops.gla.chunk_bwd(q, k, v, g, init, cu, host, do.contiguous(), dht,
                                                             call.scale, False, call.backend, call.policy)
             if dh0 is not None and rw.start:

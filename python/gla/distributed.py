@@ -232,8 +232,10 @@ def _check_local(q, k, v, g, initial_state, state_v_first, num_sequences: Option
         if tuple(initial_state.shape) != want:
             raise ValueError(f"initial_state: expected shape {list(want)} (N = {N} global sequences), "
                              f"got {list(initial_state.shape)}")
-        if initial_state.dtype != torch.float32:
-            raise TypeError(f"initial_state: expected float32, got {initial_state.dtype}")
+        allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+        if initial_state.dtype not in allowed:
+            raise TypeError(f"initial_state: expected float32{' or float64' if len(allowed) > 1 else ''}, "
+                            f"got {initial_state.dtype}")
         if initial_state.device != q.device:
             raise ValueError(f"initial_state: expected q's device {q.device}, got {initial_state.device}")
 

@@ -153,6 +153,23 @@ def test_simulated_torch_backend():
     _compare(got, want, TOL[torch.float32], "torch backend")
 
 
+def test_simulated_gradcheck_float64():
+    """Finite differences through the whole call (fp64 runs the torch backend's body): 4 ranks, a
+    sequence over three of them, initial and final states."""
+    gen = torch.Generator().manual_seed(5)
+    T, H, K, V, b, cu = 20, 1, 3, 2, [0, 7, 8, 15, 20], [0, 5, 14, 20]
+    q, k, g = (torch.rand(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
+    v = torch.rand(1, T, H, V, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(3, H, K, V, generator=gen, dtype=torch.float64)
+
+    def f(q, k, v, g, h0):
+        parts = [[x[:, b[r]:b[r + 1]] for r in range(4)] for x in (q, k, v, -g)]
+        outs, finals = gd.simulate(*parts, initial_state=h0, cu_seqlens=cu, output_final_state=True)
+        return torch.cat(outs, 1), sum(finals)
+
+    assert torch.autograd.gradcheck(f, [x.requires_grad_() for x in (q, k, v, g, h0)])
+
+
 def test_exchange_sends_states_only():
     """Forward: M·H·K·(V+1) fp32 per rank (local final state and decay); backward M·H·K·V."""
     for name, case in layouts(4):
