@@ -104,7 +104,7 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float]
             batched input, every sequence split at the same token positions.
         group: the torch.distributed group (None: the default group).
         context: a `Context` from `build_context`; without one the call builds it (one all-gather
-            of 6 int64 per rank, and a host copy of cu_seqlens). Not with ``cu_seqlens``.
+            of 7 int64 per rank, and a host copy of cu_seqlens). Not with ``cu_seqlens``.
 
     Returns:
         ``(o, final_state)``: o ``[B, T_r, H, V]`` in v's dtype; final_state as above or None.
@@ -112,7 +112,9 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float]
     Traffic per call: the forward all-gathers ``M·H·K·(V+1)`` values of the state dtype (fp32) from
     every rank, the backward ``M·H·K·V``; M = 1 for packed input, B for batched input. Every rank of
     the group must make the call and run its backward (they are collectives). Differentiable in q,
-    k, v, g and initial_state, through any backend ``gla.chunk_gla`` dispatches to.
+    k, v, g and initial_state, through any backend ``gla.chunk_gla`` dispatches to. Local work: the
+    forward's calls cover each token once (twice on a rank holding only one sequence's interior),
+    the backward is one ``chunk_bwd`` plus one forward call over the incoming segment.
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state)):
         if t is not None and not isinstance(t, Tensor):

@@ -153,6 +153,26 @@ def test_simulated_torch_backend():
     _compare(got, want, TOL[torch.float32], "torch backend")
 
 
+def test_simulated_hard_reset_gate():
+    """g = -inf (the state forgotten) at a rank's first token, inside a rank and at a sequence's
+    first token: every D, the shifted gates of the backward's reversed call, the same as one call
+    (on the reference backend: SPEC §3.8's finite answer for g = -inf)."""
+    case = dict(T=60, cu=[0, 3, 56, 60], bounds=[0, 13, 30, 31, 60], B=1)
+    b = case["bounds"]
+    inp = _inputs(case)
+    for t in (13, 33, 3):
+        inp["g"][:, t, 0] = float("-inf")
+    parts = {n: [_slices(inp[n], b, r) for r in range(4)] for n in "qkvg"}
+    h0 = inp["initial_state"].clone().requires_grad_(True)
+    want = run_gla(inp, backend="reference")
+    with gla.backend("reference"):
+        outs, finals = gd.simulate(parts["q"], parts["k"], parts["v"], parts["g"], initial_state=h0,
+                                   output_final_state=True, cu_seqlens=case["cu"])
+        _loss(outs, [inp["do"][:, b[r]:b[r + 1]] for r in range(4)], finals, inp["dht"]).backward()
+    got = [torch.cat(outs, 1), sum(finals)] + [torch.cat([p.grad for p in parts[n]], 1) for n in "qkvg"] + [h0.grad]
+    _compare(got, want, TOL[torch.float32], "g = -inf")
+
+
 def test_simulated_gradcheck_float64():
     """Finite differences through the whole call (fp64 runs the torch backend's body): 4 ranks, a
     sequence over three of them, initial and final states."""
