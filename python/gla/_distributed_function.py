@@ -169,8 +169,8 @@ class ContextParallel(torch.autograd.Function):
             if rw.rest_count:
                 cu, host = _offsets(call, lay, rw.first, q.device) if plan.varlen else (None, None)
                 sl = slice(rw.rest_begin, None)
-                h0_rows = [h0k[rw.start_seqs]] if (h0k is not None and rw.start) else [None]
-                init = _states(rw.rest_count, rw.rest_rows(rw.start), h0_rows[0], (H, K, V), q.device, acc)
+                h0_rows = h0k[rw.start_seqs] if (h0k is not None and rw.start) else None
+                init = _states(rw.rest_count, rw.rest_rows(rw.start), h0_rows, (H, K, V), q.device, acc)
                 result = _fwd(call, q[:, sl], k[:, sl], v[:, sl], g[:, sl], init, cu, host)
                 if rw.outgoing:
                     payload[..., :V] = result[1][rw.rest_rows(rw.outgoing)]
