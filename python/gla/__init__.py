@@ -22,3 +22,10 @@ except ImportError as _error:  # the operators raise it again when called
     import warnings as _warnings
 
     _warnings.warn(str(_error), stacklevel=2)
+
+
+def __getattr__(name):  # gla.distributed (context parallelism) loads on first use
+    if name == "distributed":
+        import importlib
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'gla' has no attribute {name!r}")
