@@ -174,6 +174,12 @@ class _ChunkFwd(torch.autograd.Function):
         return _backward(ctx, do, dht)
 
 
+# autograd.Function.apply's C part. The Python classmethod in front of it binds default arguments
+# (_ChunkFwd has none) and unwraps "dead" torch.func wrappers (tensors leaked out of a finished
+# torch.func transform, not supported on this route); ~4 us per call.
+_apply = super(torch.autograd.function._SingleLevelFunction, _ChunkFwd).apply
+
+
 def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
               backend, policy):
     """gla::chunk_fwd with autograd, by the cheapest route that keeps its semantics: the registered
@@ -185,6 +191,6 @@ def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, stat
         return torch.ops.gla.chunk_fwd.default(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or
                                     (initial_state is not None and initial_state.requires_grad)):
-        return _ChunkFwd.apply(*args)
+        return _apply(*args)
     with _below_autograd():
         return torch.ops.gla.chunk_fwd.default(*args)
