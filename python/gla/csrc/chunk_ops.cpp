@@ -51,10 +51,7 @@ std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std
                                     &d_o,
                                     describe("final_state", final, dfinal)};
   gla_options options = make_options(scale, state_v_first, backend, policy, q);
-  size_t bytes = 0;
-  check(gla_chunk_forward_workspace_size(&args, &options, &bytes));
-  const std::optional<Tensor> workspace = attach_workspace(bytes, q, options);
-  check(gla_chunk_forward(&args, &options));
+  run(gla_chunk_forward_workspace_size, gla_chunk_forward, args, options, q);
   return {o, final.has_value() ? *final : empty_state(q)};
 }
 
@@ -88,10 +85,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
                                      &tdg,
                                      describe("dh0", dh0, tdh0)};
   gla_options options = make_options(scale, state_v_first, backend, policy, q);
-  size_t bytes = 0;
-  check(gla_chunk_backward_workspace_size(&args, &options, &bytes));
-  const std::optional<Tensor> workspace = attach_workspace(bytes, q, options);
-  check(gla_chunk_backward(&args, &options));
+  run(gla_chunk_backward_workspace_size, gla_chunk_backward, args, options, q);
   return {dq, dk, dv, dg, dh0.has_value() ? *dh0 : empty_state(q)};
 }
 

@@ -57,4 +57,16 @@ void check(gla_status status);
 // returned tensor owns it and must outlive the call.
 std::optional<Tensor> attach_workspace(size_t bytes, const Tensor& like, gla_options& options);
 
+// One libgla operation: asks its workspace size, allocates the workspace with PyTorch on like's
+// device, runs it; throws (check) on failure. Every operator kernel ends with this.
+template <class Args>
+void run(gla_status (*workspace_size)(const Args*, const gla_options*, size_t*),
+         gla_status (*entry)(const Args*, const gla_options*), const Args& args, gla_options& options,
+         const Tensor& like) {
+  size_t bytes = 0;
+  check(workspace_size(&args, &options, &bytes));
+  const std::optional<Tensor> workspace = attach_workspace(bytes, like, options);
+  check(entry(&args, &options));
+}
+
 }  // namespace gla_torch
