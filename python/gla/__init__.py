@@ -3,10 +3,12 @@
     import gla
     o, final_state = gla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
 
-The package talks to libgla only through its C ABI (ctypes), so one build serves every Python
-version. Importing it loads libgla and registers the portable `torch` backend (docs/python.md).
+Importing it loads libgla, registers the portable `torch` backend and the operators gla::chunk_fwd /
+gla::chunk_bwd, whose kernels are C++ over libgla's C ABI (libgla_torch, built against PyTorch's
+stable ABI: one build serves every Python; ctypes fallback with a warning when it cannot load).
+See docs/python.md.
 """
-from . import _ops  # registers the gla::chunk_fwd / gla::chunk_bwd operators
+from . import _ops
 from ._api import (BackendInfo, backend, backends, chunk_gla, explain, library_path, load_plugin, policy,
                    set_backend_enabled, version)
 from ._lib import GlaError
@@ -18,7 +20,7 @@ __all__ = ["chunk_gla", "backends", "explain", "backend", "policy", "set_backend
 
 try:
     _ops.ensure_loaded()
-except ImportError as _error:  # the operators raise it again when called
+except ImportError as _error:  # gla.chunk_gla raises it again when called
     import warnings as _warnings
 
     _warnings.warn(str(_error), stacklevel=2)

@@ -10,7 +10,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _lib, _ops, _tensors
+from . import _chunked, _lib, _ops, _tensors
 
 
 def _as_host_offsets(cu_seqlens_cpu) -> Optional[Tensor]:
@@ -53,10 +53,49 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float]
                     ("cu_seqlens", cu_seqlens)):
         if t is not None and not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    o, final = torch.ops.gla.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, _as_host_offsets(cu_seqlens_cpu),
-                                       _default_scale(q, scale), bool(state_v_first), bool(output_final_state),
-                                       _ops.current_backend(), _ops.current_policy())
+    if not _ops._loaded:
+        _ops.ensure_loaded()  # raises ImportError when libgla is missing
+    backend_name = _ops.current_backend()
+    if q.dtype == torch.float64:
+        return _float64_chunk_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                                  backend_name)
+    try:
+        o, final = _ops.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, _as_host_offsets(cu_seqlens_cpu),
+                                  _default_scale(q, scale), bool(state_v_first), bool(output_final_state),
+                                  backend_name, _ops.current_policy())
+    except RuntimeError as e:
+        raise _lib.python_error(e) from None
     return o, (final if output_final_state else None)
+
+
+class _Float64ChunkGLA(torch.autograd.Function):
+    """float64 is outside libgla's C ABI: the `torch` backend's body (_chunked) computes it in Python,
+    its hand-written backward included, which is what torch.autograd.gradcheck checks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, offsets, scale, state_v_first, output_final_state):
+        o, ht = _chunked.chunk_forward(q, k, v, g, scale, initial_state, offsets, state_v_first, output_final_state)
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.offsets, ctx.scale, ctx.state_v_first = offsets, scale, state_v_first
+        return o.to(v.dtype), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, initial_state = ctx.saved_tensors
+        dq, dk, dv, dg, dh0 = _chunked.chunk_backward(q, k, v, g, ctx.scale, initial_state, ctx.offsets,
+                                                      ctx.state_v_first, do=do, dht=dht)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
+                dh0 if initial_state is not None else None, None, None, None, None)
+
+
+def _float64_chunk_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, backend_name):
+    if backend_name not in ("", "torch"):
+        raise TypeError(f"q: float64 is served only by the 'torch' backend (in Python), but backend '{backend_name}' "
+                        "is forced; libgla takes float32, float16 or bfloat16")
+    offsets = cu_seqlens.tolist() if cu_seqlens is not None else None
+    o, ht = _Float64ChunkGLA.apply(q, k, v, g, initial_state, offsets, _default_scale(q, scale), bool(state_v_first),
+                                   bool(output_final_state))
+    return o, (ht if output_final_state else None)
 
 
 # ---- registry ----
@@ -109,8 +148,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] =
     p = {name: (ctypes.pointer(x) if x is not None else None) for name, x in d.items()}
     opts = _lib.make_options(_default_scale(q, scale), state_v_first, _ops.current_backend(), _ops.current_policy())
     text = ctypes.c_char_p()
-    N = _ops._num_sequences(q, cu_seqlens)
-    state_shape = _ops._state_shape(q, v, N, state_v_first)
+    N = _ops.num_sequences(q, cu_seqlens)
+    state_shape = _ops.state_shape(q, v, N, state_v_first)
 
     def planned(like, shape, dtype=None):
         """Metadata of an output as the operator will allocate it (contiguous; no memory)."""

@@ -1,8 +1,9 @@
 """ctypes binding of libgla's C ABI (include/gla/gla.h).
 
-The package has no compiled extension: it loads the shared library with ctypes, so one build of
-libgla serves every Python version. The structs below mirror gla.h field for field; GLA_ABI_VERSION
-guards the callback table.
+The registry calls (backends, explain, selection), the `torch` backend's callbacks and the fallback
+kernels (_ctypes_kernels.py) reach libgla through ctypes; the operators' hot path is C++
+(libgla_torch, gla/csrc/). The structs below mirror gla.h field for field; GLA_ABI_VERSION guards
+the callback table.
 
 Library search order: next to this package (where `pip install .` puts it), then $GLA_LIBRARY (a
 file, or a folder holding libgla.so), then the build trees of a source checkout (build*/ at the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 import sys
 import threading
 from typing import List, Optional
@@ -223,6 +225,20 @@ def raise_for(status: int, context: str = "") -> None:
     if status == OUT_OF_MEMORY:
         raise MemoryError(message)
     raise GlaError(message)
+
+
+_TAGGED = re.compile(r"\[gla:(\w+)\] ", re.S)
+_CLASSES = {"ValueError": ValueError, "TypeError": TypeError, "MemoryError": MemoryError, "GlaError": GlaError}
+
+
+def python_error(error: BaseException) -> BaseException:
+    """The exception libgla_torch meant: its C++ kernels can only raise RuntimeError through PyTorch's
+    stable ABI, so their message starts with the Python class, "[gla:ValueError] q: expected ...".
+    Anything else is returned unchanged."""
+    match = _TAGGED.search(str(error))
+    if match is None or match.group(1) not in _CLASSES:
+        return error
+    return _CLASSES[match.group(1)](str(error)[match.end():])
 
 
 def make_options(scale: Optional[float], state_v_first: bool, backend: str, policy: int,

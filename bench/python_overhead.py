@@ -1,0 +1,207 @@
+"""Host overhead per call of gla.chunk_gla (issue 20): a tiny problem (B=1 T=64 H=1 K=V=64), calls
+back to back, wall time and process CPU time per call.
+
+    python3 bench/python_overhead.py [--device cpu|cuda|all] [--calls 2000] [--repeats 7]
+
+Rows, per device:
+  forward, no_grad          gla.chunk_gla under torch.no_grad()
+  forward, requires_grad    q, k, v, g require grad (the autograd node is built, no backward)
+  forward + backward        forward, then o.sum().backward()
+  C call (kernel)           CPU: gla_chunk_forward / gla_chunk_backward through ctypes on descriptors
+                            built once, i.e. libgla's validation + dispatch + the cpu kernel, with no
+                            PyTorch in the loop: the part of the rows above that is not overhead.
+                            CUDA: GPU time per call of the same calls replayed from a CUDA graph.
+  fla                       fla's chunk_gla the same way, when fla is importable (CUDA only).
+Also the ctypes fallback (GLA_NATIVE_OPS=0, in a child process) for comparison, with --fallback.
+
+Each figure is the best over the repeats of (time of `calls` calls) / calls. On a loaded machine
+the process CPU time is the steadier figure; the wall time is what issue 20's targets are about.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+import gla  # noqa: E402
+from gla import _lib, _ops, _tensors  # noqa: E402
+
+B, T, H, D = 1, 64, 1, 64
+
+
+def inputs(device, dtype, requires_grad=False):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.rand(B, T, H, D, generator=gen) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, generator=gen)) / 16
+    return [t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+            for t in (q, k, v, g)]
+
+
+def measure(fn, calls, repeats, sync=None):
+    """(wall us, CPU us) per call: the best of `repeats` rounds of `calls` calls each (the least
+    disturbed round; on a shared machine the median mostly measures the neighbours)."""
+    for _ in range(max(50, calls // 10)):
+        fn()
+    if sync:
+        sync()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        w, c = time.perf_counter(), time.process_time()
+        for _ in range(calls):
+            fn()
+        if sync:
+            sync()
+        walls.append((time.perf_counter() - w) / calls * 1e6)
+        cpus.append((time.process_time() - c) / calls * 1e6)
+    return min(walls), min(cpus)
+
+
+def gla_rows(device, calls, repeats):
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v, g = inputs(device, dtype)
+    rows = {}
+    with torch.no_grad():
+        rows["forward, no_grad"] = measure(lambda: gla.chunk_gla(q, k, v, g), calls, repeats, sync)
+    lq, lk, lv, lg = inputs(device, dtype, requires_grad=True)
+    rows["forward, requires_grad"] = measure(lambda: gla.chunk_gla(lq, lk, lv, lg), calls, repeats, sync)
+
+    def step():
+        o, _ = gla.chunk_gla(lq, lk, lv, lg)
+        o.sum().backward()
+    rows["forward + backward"] = measure(step, max(1, calls // 4), repeats, sync)
+    return rows
+
+
+def c_call_rows(calls, repeats):
+    """libgla alone on CPU: descriptors built once, the C entry points through ctypes."""
+    lib = _lib.library()
+    q, k, v, g = inputs("cpu", torch.float32)
+    o, do = torch.empty_like(v), torch.rand_like(v)
+    grads = [torch.empty_like(t) for t in (q, k, v, g)]
+    d = {n: _tensors.describe(n, t) for n, t in zip(("q", "k", "v", "g", "o", "do", "dq", "dk", "dv", "dg"),
+                                                     (q, k, v, g, o, do, *grads))}
+    p = {n: ctypes.pointer(x) for n, x in d.items()}
+    opts = _lib.make_options(D ** -0.5, False, "", 0)
+    fwd = _lib.ForwardArgs(p["q"], p["k"], p["v"], p["g"], None, None, None, p["o"], None)
+    bwd = _lib.BackwardArgs(p["q"], p["k"], p["v"], p["g"], None, None, None, p["do"], None, p["dq"], p["dk"],
+                            p["dv"], p["dg"], None)
+    f, b, ro = ctypes.byref(fwd), ctypes.byref(bwd), ctypes.byref(opts)
+    forward = measure(lambda: lib.gla_chunk_forward(f, ro), calls, repeats)
+    backward = measure(lambda: lib.gla_chunk_backward(b, ro), max(1, calls // 4), repeats)
+    return {"C call (kernel): forward": forward, "C call (kernel): backward": backward}
+
+
+def cuda_graph_rows(calls):
+    """GPU time per call: the same forward / forward + backward captured `calls` times in a CUDA
+    graph and replayed (no host work in the replay)."""
+    q, k, v, g = inputs("cuda", torch.bfloat16)
+    lq, lk, lv, lg = inputs("cuda", torch.bfloat16, requires_grad=True)
+    rows = {}
+    for name, body in (("forward", lambda: gla.chunk_gla(q, k, v, g)),
+                       ("forward + backward", lambda: torch.autograd.grad(gla.chunk_gla(lq, lk, lv, lg)[0].sum(),
+                                                                          [lq, lk, lv, lg]))):
+        with torch.no_grad() if name == "forward" else torch.enable_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    body()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            n = min(calls, 200)
+            with torch.cuda.graph(graph):
+                for _ in range(n):
+                    body()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) * 1e3 / n
+        rows[f"GPU time (graph replay): {name}"] = (us, us)
+    return rows
+
+
+def fla_rows(calls, repeats):
+    try:
+        from fla.ops.gla import chunk_gla as fla_chunk_gla
+    except Exception as e:  # noqa: BLE001 - any import failure means: no fla here
+        return {}, f"fla not importable ({type(e).__name__}: {e})"
+    sync = torch.cuda.synchronize
+    q, k, v, g = inputs("cuda", torch.bfloat16)
+    rows = {}
+    with torch.no_grad():
+        rows["fla forward, no_grad"] = measure(lambda: fla_chunk_gla(q, k, v, g), calls, repeats, sync)
+    lq, lk, lv, lg = inputs("cuda", torch.bfloat16, requires_grad=True)
+    rows["fla forward, requires_grad"] = measure(lambda: fla_chunk_gla(lq, lk, lv, lg), calls, repeats, sync)
+
+    def step():
+        o, _ = fla_chunk_gla(lq, lk, lv, lg)
+        o.sum().backward()
+    rows["fla forward + backward"] = measure(step, max(1, calls // 4), repeats, sync)
+    return rows, ""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--fallback", action="store_true", help="also time the ctypes fallback (child process)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON (used for --fallback)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # a tiny problem: PyTorch's own thread pool only adds noise
+
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    if "cuda" in devices and not torch.cuda.is_available():
+        devices.remove("cuda")
+        if not args.json:
+            print("no CUDA device: CUDA rows skipped")
+    results = {}
+    for device in devices:
+        rows = gla_rows(device, args.calls, args.repeats)
+        if device == "cpu":
+            rows.update(c_call_rows(args.calls, args.repeats))
+        else:
+            rows.update(cuda_graph_rows(args.calls))
+            fla, why = fla_rows(args.calls, args.repeats)
+            rows.update(fla)
+            if why and not args.json:
+                print(why)
+        results[device] = rows
+    if args.json:
+        print(json.dumps(results))
+        return
+    if args.fallback:
+        env = dict(os.environ, GLA_NATIVE_OPS="0")
+        out = subprocess.run([sys.executable, "-W", "ignore", __file__, "--json", "--device", args.device, "--calls",
+                              str(args.calls), "--repeats", str(args.repeats)], env=env, capture_output=True,
+                             text=True, check=True).stdout
+        for device, rows in json.loads(out.strip().splitlines()[-1]).items():
+            for name, value in rows.items():
+                if not name.startswith(("C call", "GPU time", "fla")):
+                    results[device][f"ctypes fallback: {name}"] = value
+
+    print(f"gla {gla.version()} ({'native operators ' + _ops.native_path if _ops.native_path else 'ctypes fallback'})"
+          f", torch {torch.__version__}, Python {sys.version.split()[0]}; B={B} T={T} H={H} K=V={D}, "
+          f"{args.calls} calls x {args.repeats} repeats")
+    for device, rows in results.items():
+        print(f"\n{device} ({'float32' if device == 'cpu' else 'bfloat16'}):")
+        print(f"  {'':44s} {'wall us/call':>13s} {'CPU us/call':>12s}")
+        for name, (wall, cpu) in rows.items():
+            print(f"  {name:44s} {wall:13.1f} {cpu:12.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+// gla::chunk_fwd and gla::chunk_bwd: schemas and their CPU and CUDA kernels, which call libgla's C
+// ABI directly. Outputs and the workspace come from PyTorch's allocator; GPU work goes on PyTorch's
+// current stream. The fake (shape) kernels and autograd are registered from Python (gla/_ops.py):
+// they must handle symbolic shapes and build autograd nodes, which the stable ABI cannot.
+//
+// Custom operators cannot return None, so absent optional outputs are empty fp32 tensors (numel 0);
+// the Python wrapper turns them back into None.
+#include <array>
+#include <string>
+#include <tuple>
+
+#include "torch_bridge.hpp"
+
+namespace gla_torch {
+namespace {
+
+// Sequences: N = len(cu_seqlens) - 1 with cu_seqlens, else B (0 for shapes libgla rejects anyway).
+int64_t num_sequences(const Tensor& q, const std::optional<Tensor>& cu_seqlens) {
+  if (cu_seqlens.has_value()) return cu_seqlens->dim() == 1 && cu_seqlens->size(0) > 0 ? cu_seqlens->size(0) - 1 : 0;
+  return q.dim() >= 1 ? q.size(0) : 0;
+}
+
+// initial_state / final_state shape: [N, H, K, V], or [N, H, V, K] with state_v_first.
+std::array<int64_t, 4> state_shape(const Tensor& q, const Tensor& v, int64_t N, bool state_v_first) {
+  if (q.dim() != 4 || v.dim() != 4) return {0, 0, 0, 0};  // libgla rejects q / v first, naming them
+  const int64_t H = q.size(2), K = q.size(3), V = v.size(3);
+  return state_v_first ? std::array<int64_t, 4>{N, H, V, K} : std::array<int64_t, 4>{N, H, K, V};
+}
+
+std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state,
+                                     std::optional<Tensor> cu_seqlens, std::optional<Tensor> cu_seqlens_cpu,
+                                     double scale, bool state_v_first, bool output_final_state, std::string backend,
+                                     int64_t policy) {
+  gla_tensor dq = describe("q", q), dk = describe("k", k), dv = describe("v", v), dg = describe("g", g);
+  gla_tensor dh0, dcu, dhost, dfinal;
+  const std::optional<Tensor> host = host_offsets(cu_seqlens, cu_seqlens_cpu);
+  Tensor o = empty_like(v);
+  gla_tensor d_o = describe("o", o);
+  std::optional<Tensor> final;
+  if (output_final_state) {
+    const auto shape = state_shape(q, v, num_sequences(q, cu_seqlens), state_v_first);
+    final = empty(shape.data(), 4, float32_dtype(), q);
+  }
+  const gla_chunk_forward_args args{&dq,
+                                    &dk,
+                                    &dv,
+                                    &dg,
+                                    describe("initial_state", initial_state, dh0),
+                                    describe("cu_seqlens", cu_seqlens, dcu),
+                                    describe("cu_seqlens_host", host, dhost),
+                                    &d_o,
+                                    describe("final_state", final, dfinal)};
+  gla_options options = make_options(scale, state_v_first, backend, policy, q);
+  run(gla_chunk_forward_workspace_size, gla_chunk_forward, args, options, q);
+  return {o, final.has_value() ? *final : empty_state(q)};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
+    Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state, std::optional<Tensor> cu_seqlens,
+    std::optional<Tensor> cu_seqlens_cpu, std::optional<Tensor> do_, std::optional<Tensor> dht, double scale,
+    bool state_v_first, std::string backend, int64_t policy) {
+  gla_tensor tq = describe("q", q), tk = describe("k", k), tv = describe("v", v), tg = describe("g", g);
+  gla_tensor th0, tcu, thost, tdo, tdht, tdh0;
+  const std::optional<Tensor> host = host_offsets(cu_seqlens, cu_seqlens_cpu);
+  Tensor dq = empty_like(q), dk = empty_like(k), dv = empty_like(v), dg = empty_like(g);
+  std::optional<Tensor> dh0;
+  if (initial_state.has_value()) {
+    const auto shape = state_shape(q, v, num_sequences(q, cu_seqlens), state_v_first);
+    dh0 = initial_state->dim() == 4 ? empty(initial_state->sizes().data(), 4, float32_dtype(), q)
+                                    : empty(shape.data(), 4, float32_dtype(), q);
+  }
+  gla_tensor tdq = describe("dq", dq), tdk = describe("dk", dk), tdv = describe("dv", dv), tdg = describe("dg", dg);
+  const gla_chunk_backward_args args{&tq,
+                                     &tk,
+                                     &tv,
+                                     &tg,
+                                     describe("initial_state", initial_state, th0),
+                                     describe("cu_seqlens", cu_seqlens, tcu),
+                                     describe("cu_seqlens_host", host, thost),
+                                     describe("do", do_, tdo),
+                                     describe("dht", dht, tdht),
+                                     &tdq,
+                                     &tdk,
+                                     &tdv,
+                                     &tdg,
+                                     describe("dh0", dh0, tdh0)};
+  gla_options options = make_options(scale, state_v_first, backend, policy, q);
+  run(gla_chunk_backward_workspace_size, gla_chunk_backward, args, options, q);
+  return {dq, dk, dv, dg, dh0.has_value() ? *dh0 : empty_state(q)};
+}
+
+}  // namespace
+}  // namespace gla_torch
+
+// The schemas, shared with the Python fallback (gla/_ops.py defines the same strings when this
+// library cannot load).
+STABLE_TORCH_LIBRARY_FRAGMENT(gla, m) {
+  m.def(
+      "chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
+      "Tensor? cu_seqlens_cpu, float scale, bool state_v_first, bool output_final_state, str backend, "
+      "int policy) -> (Tensor, Tensor)");
+  m.def(
+      "chunk_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
+      "Tensor? cu_seqlens_cpu, Tensor? do, Tensor? dht, float scale, bool state_v_first, str backend, "
+      "int policy) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(gla, CPU, m) {
+  m.impl("chunk_fwd", TORCH_BOX(&gla_torch::chunk_fwd));
+  m.impl("chunk_bwd", TORCH_BOX(&gla_torch::chunk_bwd));
+}
+
+// The CUDA kernels are the same functions: libgla dispatches on the descriptors' device, and the
+// stream comes from PyTorch's C shim, so nothing here needs CUDA headers.
+STABLE_TORCH_LIBRARY_IMPL(gla, CUDA, m) {
+  m.impl("chunk_fwd", TORCH_BOX(&gla_torch::chunk_fwd));
+  m.impl("chunk_bwd", TORCH_BOX(&gla_torch::chunk_bwd));
+}

@@ -1,0 +1,72 @@
+// What every libgla operator registered with PyTorch shares: torch tensors as gla_tensor
+// descriptors, outputs and workspaces from PyTorch's allocator, PyTorch's current CUDA stream, the
+// per-call options and libgla's failures as exceptions.
+//
+// Only PyTorch's stable C ABI is used (torch/csrc/stable and the AOTI shim): no libtorch C++ types
+// and no Python C-API, so one build serves every Python and every torch >= TORCH_TARGET_VERSION.
+#pragma once
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "gla/gla.h"
+
+namespace gla_torch {
+
+using torch::stable::Tensor;
+
+// A descriptor over t's memory; throws the tagged TypeError/ValueError (see fail) for a dtype libgla
+// does not know or more than GLA_MAX_RANK dimensions. Empty tensors get data == NULL.
+gla_tensor describe(const char* name, const Tensor& t);
+
+// Descriptors of optional tensors: `storage` holds the descriptor, the result points at it (or is
+// NULL for an absent tensor), which is what the args structs of gla.h take.
+const gla_tensor* describe(const char* name, const std::optional<Tensor>& t, gla_tensor& storage);
+
+// A contiguous tensor from PyTorch's allocator on `like`'s device.
+Tensor empty(const int64_t* sizes, int64_t rank, int32_t torch_dtype, const Tensor& like);
+Tensor empty_like(const Tensor& like);
+Tensor empty_state(const Tensor& like);  // the placeholder for an absent optional output: fp32, numel 0
+int32_t float32_dtype();
+
+// The host copy of cu_seqlens handed to libgla: cu_seqlens_cpu when given; else, for device
+// cu_seqlens, a copy made here (a host synchronisation on the current stream). libgla validates the
+// offsets and gives every backend host offsets (the cuda backend plans its grid from them), so
+// device-only offsets cost one copy whoever makes it; made here it is also available to callback
+// backends such as `torch`, which cannot copy device memory themselves.
+std::optional<Tensor> host_offsets(const std::optional<Tensor>& cu_seqlens, const std::optional<Tensor>& cu_seqlens_cpu);
+
+// PyTorch's current stream on t's device (a cudaStream_t for CUDA tensors; NULL for host memory).
+void* current_stream(const Tensor& t);
+
+// gla_options for one call (the schema's scale, state_v_first, backend and policy).
+gla_options make_options(double scale, bool state_v_first, const std::string& backend, int64_t policy,
+                         const Tensor& like);
+
+// Throws for a failing status, with libgla's last error. The message carries the Python exception
+// class as a prefix ("[gla:ValueError] q: expected ...") that gla._errors turns back into that
+// class: PyTorch's stable ABI turns every C++ exception into RuntimeError.
+void check(gla_status status);
+[[noreturn]] void fail(const char* python_class, const std::string& message);
+
+// Allocates the workspace `bytes` long on like's device when nonzero and points options at it; the
+// returned tensor owns it and must outlive the call.
+std::optional<Tensor> attach_workspace(size_t bytes, const Tensor& like, gla_options& options);
+
+// One libgla operation: asks its workspace size, allocates the workspace with PyTorch on like's
+// device, runs it; throws (check) on failure. Every operator kernel ends with this.
+template <class Args>
+void run(gla_status (*workspace_size)(const Args*, const gla_options*, size_t*),
+         gla_status (*entry)(const Args*, const gla_options*), const Args& args, gla_options& options,
+         const Tensor& like) {
+  size_t bytes = 0;
+  check(workspace_size(&args, &options, &bytes));
+  const std::optional<Tensor> workspace = attach_workspace(bytes, like, options);
+  check(entry(&args, &options));
+}
+
+}  // namespace gla_torch
