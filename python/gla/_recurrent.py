@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _lib, _ops, _recurrent_torch, _tensors
+from . import _ctypes_kernels, _lib, _ops, _recurrent_torch, _tensors
 
 _TP = _lib.TensorP
 
@@ -60,6 +60,16 @@ def _describe(named):
     return [_tensors.describe(n, t) for n, t in named]
 
 
+def _check_float64(q: Tensor, backend: str) -> bool:
+    """float64 runs the `torch` backend's Python body; another forced backend is a TypeError."""
+    if q.dtype != torch.float64:
+        return False
+    if backend not in ("", "torch"):
+        raise TypeError(f"q: float64 is served only by the 'torch' backend (in Python), but backend '{backend}' "
+                        "is forced; libgla takes float32, float16 or bfloat16")
+    return True
+
+
 def _ptrs(descs):
     return [ctypes.pointer(d) if d is not None else None for d in descs]
 
@@ -69,7 +79,7 @@ def _call(entry: str, args_type, named, last: int, q: Tensor, scale: float, stat
     """Runs the C entry point on the named tensors (in the args struct's order) plus its trailing int."""
     lib = _library()
     args = args_type(*_ptrs(_describe(named)), int(last))
-    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_ops._stream(q.device))
+    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_ctypes_kernels._stream(q.device))
     with _tensors.handed_over(*(t for _, t in named)):
         _lib.raise_for(getattr(lib, entry)(ctypes.byref(args), ctypes.byref(opts)))
 
@@ -80,20 +90,20 @@ def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Opt
                   initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float, reverse: bool,
                   state_v_first: bool, output_final_state: bool, backend: str, policy: int) -> Tuple[Tensor, Tensor]:
     """o [B, T, H, V] (v's dtype) and final_state (fp32; empty when not wanted)."""
-    N = _ops._num_sequences(q, cu_seqlens)
-    if _ops._check_float64(q, backend):
+    N = _ops.num_sequences(q, cu_seqlens)
+    if _check_float64(q, backend):
         offsets = cu_seqlens.tolist() if cu_seqlens is not None else None
         o, ht = _recurrent_torch.recurrent_forward(q, k, v, gk, gv, scale, initial_state, offsets, reverse,
                                                    state_v_first, output_final_state)
-        return o.to(v.dtype), (ht.clone() if ht is not None else _ops._empty_state(q))
+        return o.to(v.dtype), (ht.clone() if ht is not None else _ctypes_kernels._empty_state(q))
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    final = (torch.empty(_ops._state_shape(q, v, N, state_v_first), dtype=torch.float32, device=q.device)
+    final = (torch.empty(_ops.state_shape(q, v, N, state_v_first), dtype=torch.float32, device=q.device)
              if output_final_state else None)
     named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ops._host_offsets(cu_seqlens, None)), ("o", o),
+             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ctypes_kernels._host_offsets(cu_seqlens, None)), ("o", o),
              ("final_state", final))
     _call("gla_recurrent_forward", RecurrentForwardArgs, named, reverse, q, scale, state_v_first, backend, policy)
-    return o, (final if final is not None else _ops._empty_state(q))
+    return o, (final if final is not None else _ctypes_kernels._empty_state(q))
 
 
 @recurrent_fwd.register_fake
@@ -111,20 +121,20 @@ def recurrent_bwd(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Opt
                   dht: Optional[Tensor], scale: float, reverse: bool, state_v_first: bool, backend: str,
                   policy: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, dgk, dgv (empty without the gate) and dh0 (fp32; empty without an initial state)."""
-    if _ops._check_float64(q, backend):
+    if _check_float64(q, backend):
         offsets = cu_seqlens.tolist() if cu_seqlens is not None else None
         grads = _recurrent_torch.recurrent_backward(q, k, v, gk, gv, scale, initial_state, offsets, reverse,
                                                     state_v_first, do, dht)
-        return tuple(g if g is not None else _ops._empty_state(q) for g in grads)
+        return tuple(g if g is not None else _ctypes_kernels._empty_state(q) for g in grads)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgk = torch.empty_like(gk) if gk is not None else None
     dgv = torch.empty_like(gv) if gv is not None else None
     dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
     named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ops._host_offsets(cu_seqlens, None)), ("do", do),
+             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ctypes_kernels._host_offsets(cu_seqlens, None)), ("do", do),
              ("dht", dht), ("dq", dq), ("dk", dk), ("dv", dv), ("dgk", dgk), ("dgv", dgv), ("dh0", dh0))
     _call("gla_recurrent_backward", RecurrentBackwardArgs, named, reverse, q, scale, state_v_first, backend, policy)
-    return tuple(g if g is not None else _ops._empty_state(q) for g in (dq, dk, dv, dgk, dgv, dh0))
+    return tuple(g if g is not None else _ctypes_kernels._empty_state(q) for g in (dq, dk, dv, dgk, dgv, dh0))
 
 
 @recurrent_bwd.register_fake
@@ -175,7 +185,7 @@ def recurrent_state_update_op(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tens
     named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("state_pool", state_pool),
              ("state_slots", state_slots), ("slot_error", slot_error), ("o", o), ("token_states", token_states))
     _call("gla_recurrent_state_update", StateUpdateArgs, named, check_slots, q, scale, state_v_first, backend, policy)
-    return o, (token_states if token_states is not None else _ops._empty_state(q))
+    return o, (token_states if token_states is not None else _ctypes_kernels._empty_state(q))
 
 
 @recurrent_state_update_op.register_fake
@@ -274,8 +284,8 @@ def explain_recurrent(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor] = No
                       backward: bool = False) -> str:
     """The dispatcher's verdict table for a fused_recurrent_gla call (metadata only)."""
     lib = _library()
-    N = _ops._num_sequences(q, cu_seqlens)
-    final = (torch.empty(_ops._state_shape(q, v, N, state_v_first), dtype=torch.float32, device=q.device)
+    N = _ops.num_sequences(q, cu_seqlens)
+    final = (torch.empty(_ops.state_shape(q, v, N, state_v_first), dtype=torch.float32, device=q.device)
              if output_final_state else None)
     common = [("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
               ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", None)]
