@@ -46,7 +46,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   echo "sanitize: fuzzing done after $(( $(date +%s) - start )) s"
 fi
 
-configure build-tsan "-fsanitize=thread" "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread" \
+configure build-tsan "-fsanitize=thread -include $PWD/tests/fuzz/portable_kernels_only.h" "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread" \
   "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread" "-DCMAKE_MODULE_LINKER_FLAGS=-fsanitize=thread"
 ninja -C build-tsan gla_tests
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build-tsan/tests/cpp/gla_tests --gtest_brief=1 \

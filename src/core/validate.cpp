@@ -13,6 +13,10 @@ namespace gla {
 
 namespace {
 
+// Reads the N + 1 offsets from host memory holding them as `dtype` (int32 or int64) every `stride`
+// elements, then checks them (first 0, non-decreasing, last T).
+void load_offsets(PreparedProblem& prepared, const void* values, int32_t dtype, int64_t stride);
+
 std::string device_string(int32_t type, int32_t index) {
   return std::string(device_type_name(type)) + ":" + std::to_string(index);
 }
@@ -241,15 +245,15 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
       }
       // Host memory is readable even for metadata-only queries (workspace sizing, explain), so
       // backends that plan from the offsets see the real ones there too.
-      if (hc.data) load_sequence_offsets(out, hc.data);
+      if (hc.data) load_offsets(out, hc.data, hc.dtype, hc.strides[0]);
     } else if (host_accessible(cu.device_type) && cu.data) {
-      load_sequence_offsets(out, cu.data);
+      load_offsets(out, cu.data, cu.dtype, cu.strides[0]);
     }
     if (out.seq_offsets.empty() && !metadata_only) {
       if (!host_accessible(cu.device_type)) {
         out.offsets_need_copy = true;
       } else {
-        load_sequence_offsets(out, cu.data);  // NULL data was rejected above unless N + 1 == 0
+        load_offsets(out, cu.data, cu.dtype, cu.strides[0]);  // NULL data was rejected above unless N + 1 == 0
       }
     }
   } else if (in.cu_seqlens_host) {
@@ -456,22 +460,26 @@ gla_options read_options(const gla_options* options) {
 }
 
 void load_sequence_offsets(PreparedProblem& prepared, const void* host_values) {
+  // The host copy may be the device tensor's own memory (strided) or a separate contiguous copy in
+  // cu_seqlens' dtype.
+  const gla_tensor& cu = prepared.problem.cu_seqlens;
+  load_offsets(prepared, host_values, cu.dtype, host_values == cu.data ? cu.strides[0] : 1);
+}
+
+namespace {
+
+void load_offsets(PreparedProblem& prepared, const void* values, int32_t dtype, int64_t stride) {
   gla_problem& p = prepared.problem;
-  const gla_tensor& cu = p.cu_seqlens;
-  const int64_t count = cu.sizes[0];
+  const int64_t count = p.cu_seqlens.sizes[0];
   prepared.seq_offsets.resize(static_cast<size_t>(count));
-  // The host copy may be the device tensor's own memory (strided) or a separate contiguous copy;
-  // read it with cu's stride only when it is cu's memory.
-  const bool own = host_values == cu.data;
-  const int64_t stride = own ? cu.strides[0] : 1;
   for (int64_t i = 0; i < count; ++i) {
     int64_t x;
-    if (cu.dtype == GLA_DTYPE_I32) {
+    if (dtype == GLA_DTYPE_I32) {
       int32_t y;
-      std::memcpy(&y, static_cast<const char*>(host_values) + i * stride * 4, 4);
+      std::memcpy(&y, static_cast<const char*>(values) + i * stride * 4, 4);
       x = y;
     } else {
-      std::memcpy(&x, static_cast<const char*>(host_values) + i * stride * 8, 8);
+      std::memcpy(&x, static_cast<const char*>(values) + i * stride * 8, 8);
     }
     prepared.seq_offsets[i] = x;
   }
@@ -489,6 +497,8 @@ void load_sequence_offsets(PreparedProblem& prepared, const void* host_values) {
   prepared.offsets_need_copy = false;
   prepared.bind();
 }
+
+}  // namespace
 
 int64_t saved_state_chunks(const gla_problem& p) {
   int64_t chunks = 0;

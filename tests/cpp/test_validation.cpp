@@ -156,6 +156,26 @@ TEST(Validation, CuSeqlensWrongDtype) {
   c.cu.dtype = GLA_DTYPE_F32;
   expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"cu_seqlens:", "int32 or int64", "got float32"});
 }
+TEST(Validation, CuSeqlensHostCopyReadWithItsOwnDtypeAndStride) {
+  // An int32 host copy every 2nd element of an int64 cu_seqlens: read with the copy's dtype and
+  // stride (it was read as cu_seqlens' int64, contiguous: past the end of the copy). The device
+  // copy is never read.
+  Call plain(varlen_case());
+  ASSERT_EQ(plain.forward(), GLA_STATUS_OK) << gla_last_error();
+  Call c(varlen_case());
+  int32_t host[6] = {0, -7, 5, -7, 20, -7};
+  gla_tensor hc = gla::make_tensor(host, GLA_DTYPE_I32, GLA_DEVICE_CPU, 0, {3});
+  hc.strides[0] = 2;
+  gla_tensor device_cu = c.cu;
+  device_cu.device_type = GLA_DEVICE_CUDA_HOST;  // pinned: host readable, so no copy is needed either
+  for (gla_tensor* t : {&c.q, &c.k, &c.v, &c.g, &c.h0, &c.o, &c.ht}) t->device_type = GLA_DEVICE_CUDA_HOST;
+  int64_t wrong[3] = {0, 19, 20};  // what the device copy holds: must not be what is used
+  device_cu.data = wrong;
+  gla_chunk_forward_args a{&c.q, &c.k, &c.v, &c.g, &c.h0, &device_cu, &hc, &c.o, &c.ht};
+  ASSERT_EQ(gla_chunk_forward(&a, &c.options), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_EQ(rel_rms(c.out.o, plain.out.o), 0.0);
+  EXPECT_EQ(rel_rms(c.out.ht, plain.out.ht), 0.0);
+}
 TEST(Validation, KeyWidthZero) {
   Call c; c.q.sizes[3] = 0; c.k.sizes[3] = 0; c.g.sizes[3] = 0;
   expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"q:", "K (dim 3) > 0", "got K = 0"});
