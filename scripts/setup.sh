@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debian_packages=(cmake ninja-build g++ libgtest-dev libbenchmark-dev python3)
+# clang and libclang-rt-14-dev (its sanitizer runtimes and libFuzzer): the sanitizer and fuzzing builds
+# of scripts/test.sh.
+debian_packages=(cmake ninja-build g++ libgtest-dev libbenchmark-dev python3 clang libclang-rt-14-dev)
 missing=()
 for p in "${debian_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -5,10 +5,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
 
+#if defined(__linux__)
+#include <unistd.h>
+#endif
+
+#include "cli_args.hpp"
 #include "core/tensor.hpp"  // host element access and fp16/bf16 conversion helpers (header-only)
 #include "gla/gla.h"
 
@@ -41,103 +47,34 @@ const char* const kUsage =
     "  --repeat N                        (run) timed repetitions (default 3)\n"
     "  --seed N                          (run) random seed (default 0)\n";
 
-struct Config {
-  int64_t B = 2, T = 1000, H = 4, K = 64, V = 64;
-  int32_t dtype = GLA_DTYPE_F32;
-  bool gate_f32 = false, per_head = false, h0 = true, ht = true, v_first = false, pipeline = false;
-  bool backward = false;
-  bool recurrent = false, gk = true, gv = false, reverse = false;
-  int32_t device = GLA_DEVICE_CPU;
-  std::vector<int64_t> cu;
-  std::string backend;
-  int repeat = 3;
-  unsigned seed = 0;
-};
+using gla::cli::Config;
 
 [[noreturn]] void usage_error(const std::string& message) {
   std::fprintf(stderr, "gla: %s\n\n%s", message.c_str(), kUsage);
   std::exit(2);
 }
 
-int32_t parse_dtype(const std::string& s) {
-  if (s == "float32" || s == "fp32" || s == "f32") return GLA_DTYPE_F32;
-  if (s == "float16" || s == "fp16" || s == "f16") return GLA_DTYPE_F16;
-  if (s == "bfloat16" || s == "bf16") return GLA_DTYPE_BF16;
-  usage_error("--dtype: expected float32, float16 or bfloat16, got '" + s + "'");
-}
-
-Config parse(int argc, char** argv, int first) {
-  Config c;
-  bool t_given = false;
-  for (int i = first; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage_error(a + ": expected a value");
-      return argv[++i];
-    };
-    auto integer = [&]() -> int64_t {
-      const std::string v = value();
-      char* end = nullptr;
-      const long long x = std::strtoll(v.c_str(), &end, 10);
-      if (!end || *end || x < 0) usage_error(a + ": expected a non-negative integer, got '" + v + "'");
-      return x;
-    };
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    } else if (a == "--B") c.B = integer();
-    else if (a == "--T") { c.T = integer(); t_given = true; }
-    else if (a == "--H") c.H = integer();
-    else if (a == "--K") c.K = integer();
-    else if (a == "--V") c.V = integer();
-    else if (a == "--dtype") c.dtype = parse_dtype(value());
-    else if (a == "--gate-dtype") {
-      const std::string v = value();
-      if (v != "same" && parse_dtype(v) != GLA_DTYPE_F32) usage_error("--gate-dtype: expected same or float32");
-      c.gate_f32 = v != "same";
-    } else if (a == "--per-head-gate") c.per_head = true;
-    else if (a == "--no-initial-state") c.h0 = false;
-    else if (a == "--no-final-state") c.ht = false;
-    else if (a == "--state-v-first") c.v_first = true;
-    else if (a == "--stage-pipeline") c.pipeline = true;
-    else if (a == "--backward") c.backward = true;
-    else if (a == "--backend") c.backend = value();
-    else if (a == "--op") {
-      const std::string v = value();
-      if (v != "chunk" && v != "recurrent") usage_error("--op: expected chunk or recurrent, got '" + v + "'");
-      c.recurrent = v == "recurrent";
-    } else if (a == "--no-gk") c.gk = false;
-    else if (a == "--gv") c.gv = true;
-    else if (a == "--reverse") c.reverse = true;
-    else if (a == "--repeat") c.repeat = static_cast<int>(std::max<int64_t>(1, integer()));
-    else if (a == "--seed") c.seed = static_cast<unsigned>(integer());
-    else if (a == "--device") {
-      const std::string v = value();
-      if (v == "cpu") c.device = GLA_DEVICE_CPU;
-      else if (v == "cuda") c.device = GLA_DEVICE_CUDA;
-      else usage_error("--device: expected cpu or cuda, got '" + v + "'");
-    } else if (a == "--cu-seqlens") {
-      const std::string v = value();
-      size_t pos = 0;
-      while (pos <= v.size()) {
-        const size_t comma = v.find(',', pos);
-        const std::string item = v.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
-        if (item.empty()) usage_error("--cu-seqlens: expected comma-separated integers, got '" + v + "'");
-        c.cu.push_back(std::strtoll(item.c_str(), nullptr, 10));
-        if (comma == std::string::npos) break;
-        pos = comma + 1;
-      }
-    } else {
-      usage_error("unknown option '" + a + "'");
-    }
+// for_run: the command allocates the problem on the host (explain reads metadata only).
+Config parse(int argc, char** argv, int first, bool for_run) {
+  const gla::cli::ParseResult r = gla::cli::parse_args(std::vector<std::string>(argv + first, argv + argc));
+  if (r.kind == gla::cli::ParseResult::kHelp) {
+    std::fputs(kUsage, stdout);
+    std::exit(0);
   }
-  if (!c.cu.empty()) {
-    if (!t_given) c.T = c.cu.back();
-    c.B = 1;
+  if (r.kind == gla::cli::ParseResult::kError) usage_error(r.error);
+  // Sizes whose buffers cannot even be described are an argument error, before any allocation.
+  const gla::cli::ProblemBytes bytes = gla::cli::problem_bytes(r.config);
+  if (!bytes.ok) usage_error(bytes.error);
+#if defined(__linux__)
+  // More than the machine has would be granted lazily and then killed while being filled.
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (for_run && pages > 0 && page > 0 && bytes.bytes / page > pages) {
+    std::fprintf(stderr, "gla: the problem needs %lld bytes of host memory, more than this machine's %lld\n",
+                 static_cast<long long>(bytes.bytes), static_cast<long long>(pages) * page);
+    std::exit(1);
   }
-  if (!c.recurrent && (!c.gk || c.gv || c.reverse)) usage_error("--no-gk, --gv and --reverse need --op recurrent");
-  if (c.recurrent && (c.per_head || c.pipeline)) usage_error("--op recurrent: no --per-head-gate or --stage-pipeline");
-  return c;
+#endif
+  return r.config;
 }
 
 // A host tensor owning its bytes.
@@ -145,11 +82,13 @@ struct Buffer {
   std::vector<unsigned char> bytes;
   gla_tensor t{};
   Buffer() = default;
-  Buffer(int32_t dtype, std::initializer_list<int64_t> sizes, int32_t device = GLA_DEVICE_CPU) {
+  // Sizes already checked by gla::cli::problem_bytes. Without `allocate` only the descriptor is made
+  // (explain reads metadata only).
+  Buffer(int32_t dtype, std::initializer_list<int64_t> sizes, int32_t device, bool allocate) {
     int64_t n = 1;
     for (int64_t s : sizes) n *= s;
-    bytes.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * gla::dtype_size(dtype)));
-    t = gla::make_tensor(bytes.data(), dtype, device, 0, sizes);
+    if (allocate) bytes.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * gla::dtype_size(dtype)));
+    t = gla::make_tensor(allocate ? bytes.data() : nullptr, dtype, device, 0, sizes);
   }
   int64_t size() const { return gla::numel(t); }
   double get(int64_t i) const { return gla::load_as_double(t, i); }
@@ -178,39 +117,33 @@ void fill(Buffer& b, std::mt19937_64& rng, int kind) {
 
 void make_problem(Problem& p, bool with_data) {
   const Config& c = p.c;
-  p.N = c.cu.empty() ? c.B : static_cast<int64_t>(c.cu.size()) - 1;
+  p.N = gla::cli::sequence_count(c);
   const int32_t dev = with_data ? GLA_DEVICE_CPU : c.device;
   const int32_t gdt = c.gate_f32 ? GLA_DTYPE_F32 : c.dtype;
-  p.q = Buffer(c.dtype, {c.B, c.T, c.H, c.K}, dev);
-  p.k = Buffer(c.dtype, {c.B, c.T, c.H, c.K}, dev);
-  p.v = Buffer(c.dtype, {c.B, c.T, c.H, c.V}, dev);
-  p.g = c.per_head ? Buffer(gdt, {c.B, c.T, c.H}, dev) : Buffer(gdt, {c.B, c.T, c.H, c.K}, dev);
+  p.q = Buffer(c.dtype, {c.B, c.T, c.H, c.K}, dev, with_data);
+  p.k = Buffer(c.dtype, {c.B, c.T, c.H, c.K}, dev, with_data);
+  p.v = Buffer(c.dtype, {c.B, c.T, c.H, c.V}, dev, with_data);
+  p.g = c.per_head ? Buffer(gdt, {c.B, c.T, c.H}, dev, with_data) : Buffer(gdt, {c.B, c.T, c.H, c.K}, dev, with_data);
   const auto state = [&] {
-    return c.v_first ? Buffer(GLA_DTYPE_F32, {p.N, c.H, c.V, c.K}, dev) : Buffer(GLA_DTYPE_F32, {p.N, c.H, c.K, c.V}, dev);
+    return c.v_first ? Buffer(GLA_DTYPE_F32, {p.N, c.H, c.V, c.K}, dev, with_data) : Buffer(GLA_DTYPE_F32, {p.N, c.H, c.K, c.V}, dev, with_data);
   };
   p.h0 = state();
   p.dht = state();
-  p.dout = Buffer(c.dtype, {c.B, c.T, c.H, c.V}, dev);
+  p.dout = Buffer(c.dtype, {c.B, c.T, c.H, c.V}, dev, with_data);
   if (!c.cu.empty()) {
-    p.cu = Buffer(GLA_DTYPE_I64, {static_cast<int64_t>(c.cu.size())}, dev);
-    for (size_t i = 0; i < c.cu.size(); ++i) std::memcpy(p.cu.bytes.data() + i * 8, &c.cu[i], 8);
+    p.cu = Buffer(GLA_DTYPE_I64, {static_cast<int64_t>(c.cu.size())}, dev, with_data);
+    if (with_data) std::memcpy(p.cu.bytes.data(), c.cu.data(), c.cu.size() * 8);
   }
-  p.o = Buffer(c.dtype, {c.B, c.T, c.H, c.V}, dev);
+  p.o = Buffer(c.dtype, {c.B, c.T, c.H, c.V}, dev, with_data);
   p.ht = state();
-  p.dq = Buffer(c.dtype, {c.B, c.T, c.H, c.K}, dev);
-  p.dk = Buffer(c.dtype, {c.B, c.T, c.H, c.K}, dev);
-  p.dv = Buffer(c.dtype, {c.B, c.T, c.H, c.V}, dev);
-  p.dg = c.per_head ? Buffer(gdt, {c.B, c.T, c.H}, dev) : Buffer(gdt, {c.B, c.T, c.H, c.K}, dev);
+  p.dq = Buffer(c.dtype, {c.B, c.T, c.H, c.K}, dev, with_data);
+  p.dk = Buffer(c.dtype, {c.B, c.T, c.H, c.K}, dev, with_data);
+  p.dv = Buffer(c.dtype, {c.B, c.T, c.H, c.V}, dev, with_data);
+  p.dg = c.per_head ? Buffer(gdt, {c.B, c.T, c.H}, dev, with_data) : Buffer(gdt, {c.B, c.T, c.H, c.K}, dev, with_data);
   p.dh0 = state();
-  p.gv = Buffer(gdt, {c.B, c.T, c.H, c.V}, dev);
-  p.dgv = Buffer(gdt, {c.B, c.T, c.H, c.V}, dev);
-  if (!with_data) {
-    for (Buffer* b : {&p.q, &p.k, &p.v, &p.g, &p.h0, &p.dht, &p.dout, &p.cu, &p.o, &p.ht, &p.dq, &p.dk, &p.dv,
-                      &p.dg, &p.dh0, &p.gv, &p.dgv}) {
-      b->t.data = nullptr;  // explain reads metadata only
-    }
-    return;
-  }
+  p.gv = Buffer(gdt, {c.B, c.T, c.H, c.V}, dev, with_data && c.gv);
+  p.dgv = Buffer(gdt, {c.B, c.T, c.H, c.V}, dev, with_data && c.gv);
+  if (!with_data) return;
   std::mt19937_64 rng(c.seed);
   fill(p.q, rng, 0);
   fill(p.k, rng, 0);
@@ -219,7 +152,7 @@ void make_problem(Problem& p, bool with_data) {
   fill(p.h0, rng, 1);
   fill(p.dht, rng, 1);
   fill(p.dout, rng, 1);
-  fill(p.gv, rng, 2);
+  if (c.gv) fill(p.gv, rng, 2);
 }
 
 
@@ -384,7 +317,8 @@ int cmd_run(const Config& c) {
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
   };
-  for (Buffer* b : {&p.o, &p.ht, &p.dq, &p.dk, &p.dv, &p.dg, &p.dh0, &p.dgv}) poison(*b);
+  for (Buffer* b : {&p.o, &p.ht, &p.dq, &p.dk, &p.dv, &p.dg, &p.dh0}) poison(*b);
+  if (c.gv) poison(p.dgv);
   const double fwd_ms = timed([&] { check(run_forward(p, opts), "forward"); });
   const double bwd_ms = timed([&] { check(run_backward(p, opts), "backward"); });
 
@@ -439,7 +373,17 @@ int main(int argc, char** argv) {
     }
     return cmd_backends();
   }
-  if (cmd == "explain") return cmd_explain(parse(argc, argv, 2));
-  if (cmd == "run") return cmd_run(parse(argc, argv, 2));
+  // The buffers of a problem whose sizes fit in int64 may still exceed the machine's memory.
+  try {
+    if (cmd == "explain") return cmd_explain(parse(argc, argv, 2, false));
+    if (cmd == "run") return cmd_run(parse(argc, argv, 2, true));
+  } catch (const std::bad_alloc&) {
+    const Config c = parse(argc, argv, 2, false);
+    std::fprintf(stderr, "gla: cannot allocate the problem's buffers (%lld bytes on the host for B=%lld T=%lld H=%lld K=%lld V=%lld): out of memory\n",
+                 static_cast<long long>(gla::cli::problem_bytes(c).bytes), static_cast<long long>(c.B),
+                 static_cast<long long>(c.T), static_cast<long long>(c.H), static_cast<long long>(c.K),
+                 static_cast<long long>(c.V));
+    return 1;
+  }
   usage_error("unknown command '" + cmd + "'");
 }

@@ -11,6 +11,9 @@
  * Ownership: libgla never takes ownership of caller memory. Every tensor passed in is owned by the
  * caller and must stay alive until the call returns (for asynchronous devices: until the work queued
  * on the given stream has finished). Outputs are written in place into caller-allocated tensors.
+ * An output must not overlap itself (no stride-0 or interleaved dims), another output or an input:
+ * such calls are rejected (GLA_STATUS_INVALID_ARGUMENT). Inputs may share memory with each other.
+ * Sizes, strides and offsets whose int64 arithmetic would overflow are rejected too.
  */
 #ifndef GLA_GLA_H
 #define GLA_GLA_H
@@ -100,7 +103,8 @@ typedef enum gla_policy {
 
 typedef struct gla_options {
   /* sizeof(gla_options) as the caller was compiled; lets later versions append fields. Set by
-   * gla_options_init. */
+   * gla_options_init. Must not end inside a field (it is rejected then), and has_scale = 1 needs
+   * scale within it. */
   uint32_t struct_size;
   /* 1: use `scale`; 0: use the default K^-0.5. */
   int32_t has_scale;

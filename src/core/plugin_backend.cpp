@@ -11,6 +11,13 @@ namespace {
 
 constexpr size_t kMessageCapacity = 4096;
 
+// A callback's message as a string: the library terminates the buffer itself, so a plugin that
+// fills all of it without a NUL is read up to its capacity and no further.
+std::string message_text(char (&message)[kMessageCapacity], const char* fallback) {
+  message[kMessageCapacity - 1] = '\0';
+  return message[0] ? std::string(message) : std::string(fallback);
+}
+
 class CallbackBackend final : public Backend {
  public:
   explicit CallbackBackend(const gla_backend_desc& desc) : desc_(desc), name_(desc.name) {}
@@ -27,13 +34,13 @@ class CallbackBackend final : public Backend {
     if (!desc_.available) return Verdict::yes();
     char message[kMessageCapacity] = {0};
     if (desc_.available(desc_.user_data, message, sizeof message)) return Verdict::yes();
-    return Verdict::no(message[0] ? message : "the plugin reports it is unavailable (no reason given)");
+    return Verdict::no(message_text(message, "the plugin reports it is unavailable (no reason given)"));
   }
   Verdict verify(const gla_problem& problem) const override {
     if (!desc_.verify) return Verdict::yes();
     char message[kMessageCapacity] = {0};
     if (desc_.verify(desc_.user_data, &problem, message, sizeof message)) return Verdict::yes();
-    return Verdict::no(message[0] ? message : "declined (no reason given)");
+    return Verdict::no(message_text(message, "declined (no reason given)"));
   }
   void run(const gla_problem& problem) override {
     char message[kMessageCapacity] = {0};
@@ -41,7 +48,7 @@ class CallbackBackend final : public Backend {
     if (status != GLA_STATUS_OK) {
       const gla_status code = status > 0 && status <= GLA_STATUS_INTERNAL_ERROR ? static_cast<gla_status>(status)
                                                                                : GLA_STATUS_BACKEND_ERROR;
-      fail(code, "backend '" + name_ + "' failed: " + (message[0] ? message : "no message given"));
+      fail(code, "backend '" + name_ + "' failed: " + message_text(message, "no message given"));
     }
   }
   size_t workspace_size(const gla_problem& problem) const override {

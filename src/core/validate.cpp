@@ -1,13 +1,21 @@
 #include "core/validate.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <sstream>
 #include <string>
 
+#include "core/checked.hpp"
+
 namespace gla {
 
 namespace {
+
+// Reads the N + 1 offsets from host memory holding them as `dtype` (int32 or int64) every `stride`
+// elements, then checks them (first 0, non-decreasing, last T).
+void load_offsets(PreparedProblem& prepared, const void* values, int32_t dtype, int64_t stride);
 
 std::string device_string(int32_t type, int32_t index) {
   return std::string(device_type_name(type)) + ":" + std::to_string(index);
@@ -25,6 +33,14 @@ std::string sizes_string(std::initializer_list<int64_t> sizes) {
     s << (first ? "" : ", ") << x;
     first = false;
   }
+  s << ']';
+  return s.str();
+}
+
+std::string strides_string(const gla_tensor& t) {
+  std::ostringstream s;
+  s << '[';
+  for (int i = 0; i < t.rank; ++i) s << (i ? ", " : "") << t.strides[i];
   s << ']';
   return s.str();
 }
@@ -47,6 +63,20 @@ void check_descriptor(const char* name, const gla_tensor& t, bool metadata_only)
   }
   if (dtype_size(t.dtype) == 0) {
     invalid(std::string(name) + ": unknown dtype code " + std::to_string(t.dtype));
+  }
+  // SPEC.md §3.9: every element count, offset and byte extent a backend forms fits in int64.
+  if (!checked_numel(t)) {
+    invalid(std::string(name) + ": expected sizes whose product fits in int64, got " + shape_string(t));
+  }
+  const auto extent = checked_extent_bytes(t, dtype_size(t.dtype));
+  if (!extent) {
+    invalid(std::string(name) + ": expected sizes and strides whose largest offset fits in int64, got sizes " +
+            shape_string(t) + " with strides " + strides_string(t) + " (sum of (size - 1) * stride overflows)");
+  }
+  if (t.data != nullptr && *extent > 0 &&
+      reinterpret_cast<uintptr_t>(t.data) > UINTPTR_MAX - static_cast<uint64_t>(*extent)) {
+    invalid(std::string(name) + ": expected memory inside the address space, got " + std::to_string(*extent) +
+            " bytes from a data pointer that wraps past its end");
   }
   if (!metadata_only && t.data == nullptr && numel(t) > 0) {
     invalid(std::string(name) + ": data pointer is NULL for a tensor of " + std::to_string(numel(t)) +
@@ -83,6 +113,30 @@ void check_same_device(const char* name, const gla_tensor& t, const gla_tensor& 
   if (t.device_type != q.device_type || t.device_index != q.device_index) {
     invalid(std::string(name) + ": expected device " + device_string(q.device_type, q.device_index) +
             " (same as q), got " + device_string(t.device_type, t.device_index));
+  }
+}
+
+// SPEC.md §3.9 for what the problem's sizes imply beyond the caller's tensors: the stage pipeline's
+// fp32 intermediates (gcum, A, dA, dq_intra, dk_intra over B·T·H rows; h and dh over at most
+// B·ceil(T / 64) + N chunks of H·K·V) and the N·H·K·V states, in bytes, with room for the 256-byte
+// alignment of each buffer. Every host and device backend sizes its scratch from these products, so
+// when their sum fits in int64 none of those sizes can wrap; a problem whose sum does not is rejected
+// before anything is allocated or computed (T = 2^62 with stride-0 inputs, T·H = 2^64, ...).
+void check_problem_size(const gla_problem& p) {
+  const int64_t C = 64;
+  const auto rows = checked_product({p.B, p.T, p.H});
+  const auto row_floats = checked_add(checked_add(checked_mul(int64_t{3}, int64_t{p.K}), int64_t{p.V}),
+                                      int64_t{2 * C});  // gcum, dq_intra, dk_intra (K), o-like (V), A, dA
+  const auto chunks = checked_add(checked_mul(p.B, checked_add(p.T, C - 1).value_or(INT64_MAX) / C), p.N);
+  const auto state = checked_product({p.H, p.K, p.V});
+  const auto state_floats = checked_mul(checked_add(checked_mul(int64_t{2}, chunks), checked_mul(int64_t{4}, p.N)), state);
+  const auto floats = checked_add(checked_mul(rows, row_floats), state_floats);
+  const auto bytes = checked_add(checked_mul(floats, int64_t{4}), int64_t{16 * 256});
+  if (!bytes) {
+    invalid("problem: expected sizes whose intermediates fit in int64 bytes, got B = " + std::to_string(p.B) +
+            ", T = " + std::to_string(p.T) + ", H = " + std::to_string(p.H) + ", K = " + std::to_string(p.K) +
+            ", V = " + std::to_string(p.V) + ", N = " + std::to_string(p.N) +
+            " (B·T·H·(3K + V + 128) + (2·chunks + 4N)·H·K·V floats overflow int64)");
   }
 }
 
@@ -200,21 +254,22 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
       }
       // Host memory is readable even for metadata-only queries (workspace sizing, explain), so
       // backends that plan from the offsets see the real ones there too.
-      if (hc.data) load_sequence_offsets(out, hc.data);
+      if (hc.data) load_offsets(out, hc.data, hc.dtype, hc.strides[0]);
     } else if (host_accessible(cu.device_type) && cu.data) {
-      load_sequence_offsets(out, cu.data);
+      load_offsets(out, cu.data, cu.dtype, cu.strides[0]);
     }
     if (out.seq_offsets.empty() && !metadata_only) {
       if (!host_accessible(cu.device_type)) {
         out.offsets_need_copy = true;
       } else {
-        load_sequence_offsets(out, cu.data);  // NULL data was rejected above unless N + 1 == 0
+        load_offsets(out, cu.data, cu.dtype, cu.strides[0]);  // NULL data was rejected above unless N + 1 == 0
       }
     }
   } else if (in.cu_seqlens_host) {
     invalid("cu_seqlens_host: given without cu_seqlens");
   }
   p.N = N;
+  check_problem_size(p);
   if (!p.varlen || (metadata_only && out.seq_offsets.empty())) {
     out.seq_offsets.resize(static_cast<size_t>(N + 1));
     // Without cu_seqlens each sequence is its own batch row, starting at token 0 of that row; for a
@@ -322,6 +377,97 @@ void set_backward_tensors(gla_problem& p, const gla_tensor* dout, const gla_tens
   if (dq) { check_like("dq", *dq, p.q, "q", p, metadata_only); p.dq = *dq; }
   if (dk) { check_like("dk", *dk, p.k, "k", p, metadata_only); p.dk = *dk; }
   if (dv) { check_like("dv", *dv, p.v, "v", p, metadata_only); p.dv = *dv; }
+// The first dim (in stride order) through which two distinct indices of t reach the same element,
+// or -1 when every index has its own element. Sufficient test: with the dims of size > 1 sorted by
+// stride, each stride exceeds the largest offset the smaller-stride dims reach. Layouts it refuses
+// that are still one-to-one (interleavings no framework produces) are refused with the rest.
+int overlapping_dim(const gla_tensor& t) {
+  struct Dim {
+    int64_t size, stride;
+    int index;
+  };
+  std::vector<Dim> dims;
+  for (int i = 0; i < t.rank; ++i) {
+    if (t.sizes[i] > 1) dims.push_back({t.sizes[i], t.strides[i], i});
+  }
+  std::stable_sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  int64_t reach = 0;  // largest offset of the dims so far (bounded by the descriptor's checked extent)
+  for (const Dim& d : dims) {
+    if (d.stride <= reach) return d.index;
+    reach += (d.size - 1) * d.stride;
+  }
+  return -1;
+}
+
+struct Region {
+  const char* name;
+  const gla_tensor* t;
+  bool output;
+};
+
+// Outputs are written while inputs are still being read, and a backend writes each output element
+// once from its own work item: an output that overlaps itself, another output or an input gives
+// garbage, so every such call is rejected. Inputs may share memory with each other (q and k the
+// same tensor is fine). Memory is compared only where both descriptors have data and elements.
+void check_outputs_disjoint(const std::vector<Region>& regions) {
+  for (const Region& r : regions) {
+    if (!r.output || !present(*r.t) || numel(*r.t) == 0) continue;
+    const int dim = overlapping_dim(*r.t);
+    if (dim >= 0) {
+      invalid(std::string(r.name) + ": expected an output whose elements do not overlap, got sizes " +
+              shape_string(*r.t) + " with strides " + strides_string(*r.t) + " (dim " + std::to_string(dim) +
+              " revisits memory of the dims with smaller strides)");
+    }
+  }
+  auto span = [](const gla_tensor& t, uintptr_t& lo, uintptr_t& hi) {
+    if (t.data == nullptr || numel(t) == 0) return false;
+    lo = reinterpret_cast<uintptr_t>(t.data);
+    hi = lo + static_cast<uintptr_t>(*checked_extent_bytes(t, dtype_size(t.dtype)));
+    return true;
+  };
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const Region& a = regions[i];
+    uintptr_t alo, ahi;
+    if (!a.output || !span(*a.t, alo, ahi)) continue;
+    for (size_t j = 0; j < regions.size(); ++j) {
+      const Region& b = regions[j];
+      uintptr_t blo, bhi;
+      if (j == i || (b.output && j < i) || !span(*b.t, blo, bhi)) continue;
+      if (a.t->device_type != b.t->device_type || a.t->device_index != b.t->device_index) continue;
+      if (alo < bhi && blo < ahi) {
+        invalid(std::string(a.name) + ": expected output memory disjoint from " + (b.output ? "output " : "input ") +
+                b.name + ", got overlapping byte ranges (" + a.name + " " + std::to_string(ahi - alo) + " bytes, " +
+                b.name + " " + std::to_string(bhi - blo) + " bytes, sharing " +
+                std::to_string(std::min(ahi, bhi) - std::max(alo, blo)) + ")");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// The fields of gla_options in declaration order, for the struct_size check: an older caller's
+// struct ends at a field boundary, and a size ending inside a field would copy part of it (half a
+// pointer, half a double).
+struct OptionsField {
+  const char* name;
+  size_t offset;
+  size_t size;
+};
+#define GLA_OPTIONS_FIELD(f) OptionsField{#f, offsetof(gla_options, f), sizeof(gla_options::f)}
+constexpr OptionsField kOptionsFields[] = {
+    GLA_OPTIONS_FIELD(struct_size),          GLA_OPTIONS_FIELD(has_scale), GLA_OPTIONS_FIELD(scale),
+    GLA_OPTIONS_FIELD(state_v_first),        GLA_OPTIONS_FIELD(backend),   GLA_OPTIONS_FIELD(policy),
+    GLA_OPTIONS_FIELD(force_stage_pipeline), GLA_OPTIONS_FIELD(check_inputs), GLA_OPTIONS_FIELD(stream),
+    GLA_OPTIONS_FIELD(workspace),            GLA_OPTIONS_FIELD(workspace_bytes)};
+#undef GLA_OPTIONS_FIELD
+
+std::string options_boundaries() {
+  std::string s;
+  for (const auto& f : kOptionsFields) s += (s.empty() ? "" : ", ") + std::to_string(f.offset + f.size);
+  return s;
 }
 
 }  // namespace
@@ -332,11 +478,23 @@ gla_options read_options(const gla_options* options) {
   if (options == nullptr) return out;
   // Older callers pass a smaller struct (fields appended later keep their defaults); a size of 0
   // or one larger than ours means the struct was never initialised.
-  if (options->struct_size == 0 || options->struct_size > sizeof(gla_options)) {
-    invalid("options: expected struct_size between 1 and " + std::to_string(sizeof(gla_options)) +
-            " (call gla_options_init first), got " + std::to_string(options->struct_size));
+  const size_t size = options->struct_size;
+  if (size < sizeof(uint32_t) || size > sizeof(gla_options)) {
+    invalid("options: expected struct_size between " + std::to_string(sizeof(uint32_t)) + " and " +
+            std::to_string(sizeof(gla_options)) + " (call gla_options_init first), got " + std::to_string(size));
   }
-  std::memcpy(&out, options, options->struct_size);
+  for (const auto& f : kOptionsFields) {
+    if (size > f.offset && size < f.offset + f.size) {
+      invalid("options: expected struct_size at a field boundary (" + options_boundaries() + " or " +
+              std::to_string(sizeof(gla_options)) + "), got " + std::to_string(size) + ", which ends inside options." +
+              f.name + " (bytes " + std::to_string(f.offset) + ".." + std::to_string(f.offset + f.size) + ")");
+    }
+  }
+  std::memcpy(&out, options, size);
+  if (out.has_scale && size < offsetof(gla_options, scale) + sizeof out.scale) {
+    invalid("options.has_scale: expected 0 when struct_size (" + std::to_string(size) +
+            ") ends before options.scale, got " + std::to_string(out.has_scale));
+  }
   if (out.policy < GLA_POLICY_DEFAULT || out.policy > GLA_POLICY_FASTEST) {
     invalid("options.policy: expected 0..3 (gla_policy), got " + std::to_string(out.policy));
   }
@@ -344,22 +502,26 @@ gla_options read_options(const gla_options* options) {
 }
 
 void load_sequence_offsets(PreparedProblem& prepared, const void* host_values) {
+  // The host copy may be the device tensor's own memory (strided) or a separate contiguous copy in
+  // cu_seqlens' dtype.
+  const gla_tensor& cu = prepared.problem.cu_seqlens;
+  load_offsets(prepared, host_values, cu.dtype, host_values == cu.data ? cu.strides[0] : 1);
+}
+
+namespace {
+
+void load_offsets(PreparedProblem& prepared, const void* values, int32_t dtype, int64_t stride) {
   gla_problem& p = prepared.problem;
-  const gla_tensor& cu = p.cu_seqlens;
-  const int64_t count = cu.sizes[0];
+  const int64_t count = p.cu_seqlens.sizes[0];
   prepared.seq_offsets.resize(static_cast<size_t>(count));
-  // The host copy may be the device tensor's own memory (strided) or a separate contiguous copy;
-  // read it with cu's stride only when it is cu's memory.
-  const bool own = host_values == cu.data;
-  const int64_t stride = own ? cu.strides[0] : 1;
   for (int64_t i = 0; i < count; ++i) {
     int64_t x;
-    if (cu.dtype == GLA_DTYPE_I32) {
+    if (dtype == GLA_DTYPE_I32) {
       int32_t y;
-      std::memcpy(&y, static_cast<const char*>(host_values) + i * stride * 4, 4);
+      std::memcpy(&y, static_cast<const char*>(values) + i * stride * 4, 4);
       x = y;
     } else {
-      std::memcpy(&x, static_cast<const char*>(host_values) + i * stride * 8, 8);
+      std::memcpy(&x, static_cast<const char*>(values) + i * stride * 8, 8);
     }
     prepared.seq_offsets[i] = x;
   }
@@ -377,6 +539,8 @@ void load_sequence_offsets(PreparedProblem& prepared, const void* host_values) {
   prepared.offsets_need_copy = false;
   prepared.bind();
 }
+
+}  // namespace
 
 int64_t saved_state_chunks(const gla_problem& p) {
   int64_t chunks = 0;
@@ -423,6 +587,9 @@ PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_op
     check_chunk_states(*chunk_states, out, metadata_only);
     p.h = *chunk_states;
   }
+  check_outputs_disjoint({{"o", &p.o, true}, {"final_state", &p.final_state, true}, {"chunk_states", &p.h, true},
+                          {"q", &p.q, false}, {"k", &p.k, false}, {"v", &p.v, false}, {"g", &p.g, false},
+                          {"initial_state", &p.initial_state, false}, {"cu_seqlens", &p.cu_seqlens, false}});
   out.bind();
   return out;
 }
@@ -461,6 +628,11 @@ PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_
     check_chunk_states(*chunk_states, out, metadata_only);
     p.h = *chunk_states;
   }
+  check_outputs_disjoint({{"dq", &p.dq, true}, {"dk", &p.dk, true}, {"dv", &p.dv, true}, {"dg", &p.dg, true},
+                          {"dh0", &p.dh0, true}, {"q", &p.q, false}, {"k", &p.k, false}, {"v", &p.v, false},
+                          {"g", &p.g, false}, {"initial_state", &p.initial_state, false},
+                          {"cu_seqlens", &p.cu_seqlens, false}, {"do", &p.do_, false}, {"dht", &p.dht, false},
+                          {"chunk_states", &p.h, false}});
   out.bind();
   return out;
 }

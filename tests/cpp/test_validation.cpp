@@ -3,6 +3,7 @@
 // message, and that every output buffer is still bitwise what it was before the call.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
 #include <functional>
 
@@ -155,6 +156,26 @@ TEST(Validation, CuSeqlensWrongDtype) {
   c.cu.dtype = GLA_DTYPE_F32;
   expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"cu_seqlens:", "int32 or int64", "got float32"});
 }
+TEST(Validation, CuSeqlensHostCopyReadWithItsOwnDtypeAndStride) {
+  // An int32 host copy every 2nd element of an int64 cu_seqlens: read with the copy's dtype and
+  // stride (it was read as cu_seqlens' int64, contiguous: past the end of the copy). The device
+  // copy is never read.
+  Call plain(varlen_case());
+  ASSERT_EQ(plain.forward(), GLA_STATUS_OK) << gla_last_error();
+  Call c(varlen_case());
+  int32_t host[6] = {0, -7, 5, -7, 20, -7};
+  gla_tensor hc = gla::make_tensor(host, GLA_DTYPE_I32, GLA_DEVICE_CPU, 0, {3});
+  hc.strides[0] = 2;
+  gla_tensor device_cu = c.cu;
+  device_cu.device_type = GLA_DEVICE_CUDA_HOST;  // pinned: host readable, so no copy is needed either
+  for (gla_tensor* t : {&c.q, &c.k, &c.v, &c.g, &c.h0, &c.o, &c.ht}) t->device_type = GLA_DEVICE_CUDA_HOST;
+  int64_t wrong[3] = {0, 19, 20};  // what the device copy holds: must not be what is used
+  device_cu.data = wrong;
+  gla_chunk_forward_args a{&c.q, &c.k, &c.v, &c.g, &c.h0, &device_cu, &hc, &c.o, &c.ht};
+  ASSERT_EQ(gla_chunk_forward(&a, &c.options), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_EQ(rel_rms(c.out.o, plain.out.o), 0.0);
+  EXPECT_EQ(rel_rms(c.out.ht, plain.out.ht), 0.0);
+}
 TEST(Validation, KeyWidthZero) {
   Call c; c.q.sizes[3] = 0; c.k.sizes[3] = 0; c.g.sizes[3] = 0;
   expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"q:", "K (dim 3) > 0", "got K = 0"});
@@ -220,6 +241,122 @@ TEST(Validation, BackwardWithoutAnyOutput) {
                             nullptr, nullptr, nullptr, nullptr, nullptr};
   EXPECT_EQ(gla_chunk_backward(&a, &c.options), GLA_STATUS_INVALID_ARGUMENT);
   EXPECT_NE(std::string(gla_last_error()).find("at least one gradient output"), std::string::npos);
+}
+
+// ---- SPEC.md §3.9: sizes, strides and offsets whose int64 arithmetic would overflow ----
+TEST(Overflow, StrideWhoseOffsetWraps) {
+  // (T - 1) * 2^62 wraps: token 19 would alias token 0.
+  Call c; c.q.strides[1] = int64_t{1} << 62;
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"q:", "largest offset fits in int64", "4611686018427387904"});
+}
+TEST(Overflow, SizeProductWraps) {
+  // T·H = 2^64 with stride-0 tensors: numel wraps to 0.
+  Call c;
+  for (gla_tensor* t : {&c.q, &c.k, &c.v, &c.g, &c.o}) {
+    t->sizes[1] = int64_t{1} << 32;
+    t->sizes[2] = int64_t{1} << 32;
+    for (int d = 0; d < 4; ++d) t->strides[d] = 0;
+  }
+  c.use_h0 = c.use_ht = false;
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"q:", "product fits in int64", "[2, 4294967296, 4294967296, 8]"});
+}
+// T = 2^62 on stride-0 tensors: every tensor's own extent fits, but the chunk intermediates
+// (B·T·H·(3K + V + 128) floats) do not; crashed the cpu stage runner and hung the whole-op path.
+Call huge_t_call() {
+  Call c;
+  for (gla_tensor* t : {&c.q, &c.k, &c.v, &c.g, &c.o}) {
+    t->sizes[0] = 1;
+    t->sizes[1] = int64_t{1} << 62;
+    t->sizes[2] = 1;
+    for (int d = 0; d < 4; ++d) t->strides[d] = 0;
+  }
+  c.q.sizes[3] = c.k.sizes[3] = c.g.sizes[3] = 1;
+  c.v.sizes[3] = c.o.sizes[3] = 1;
+  c.o.strides[1] = 1;
+  c.use_h0 = c.use_ht = false;
+  return c;
+}
+TEST(Overflow, IntermediatesOfTheProblemWrap) {
+  for (int pipeline : {0, 1}) {
+    Call c = huge_t_call();
+    c.options.force_stage_pipeline = pipeline;
+    expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"problem:", "T = 4611686018427387904", "overflow int64"});
+  }
+}
+TEST(Overflow, WorkspaceQueryRejectsInsteadOfWrapping) {
+  Call c = huge_t_call();
+  c.options.backend = "reference";
+  c.options.force_stage_pipeline = 1;
+  gla_chunk_forward_args a{&c.q, &c.k, &c.v, &c.g, nullptr, nullptr, nullptr, &c.o, nullptr};
+  size_t bytes = 12345;
+  EXPECT_EQ(gla_chunk_forward_workspace_size(&a, &c.options, &bytes), GLA_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(gla_last_error()).find("overflow int64"), std::string::npos) << gla_last_error();
+  EXPECT_EQ(bytes, 12345u);
+}
+TEST(Overflow, DataPointerThatWrapsTheAddressSpace) {
+  Call c;
+  c.v.data = reinterpret_cast<void*>(~uintptr_t{0} - 15);  // 16 bytes below the top; v spans 640
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"v:", "wraps past its end"});
+}
+
+// ---- gla_options.struct_size: only sizes that end at a field boundary ----
+TEST(OptionsSize, EndingInsideThePointerIsRejected) {
+  // Half of `backend` copied used to be dereferenced (SIGSEGV in the dispatcher).
+  Call c; c.options.backend = "reference"; c.options.struct_size = offsetof(gla_options, backend) + 4;
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"options:", "field boundary", "inside options.backend"});
+}
+TEST(OptionsSize, EndingInsideTheScaleIsRejected) {
+  // Half of `scale` copied used to run with a scale of ~0 (o all zeros, status OK).
+  Call c; c.options.has_scale = 1; c.options.scale = 0.5; c.options.struct_size = offsetof(gla_options, scale) + 4;
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"options:", "inside options.scale"});
+}
+TEST(OptionsSize, HasScaleWithoutTheScaleIsRejected) {
+  Call c; c.options.has_scale = 1; c.options.scale = 0.5; c.options.struct_size = offsetof(gla_options, scale);
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"options.has_scale:", "ends before options.scale"});
+}
+TEST(OptionsSize, OlderStructsAtBoundariesServe) {
+  // A struct that ends after `scale` (an older caller) gives the same result as the full struct.
+  Call full; full.options.has_scale = 1; full.options.scale = 0.5;
+  ASSERT_EQ(full.forward(), GLA_STATUS_OK) << gla_last_error();
+  Call old; old.options.has_scale = 1; old.options.scale = 0.5; old.options.struct_size = offsetof(gla_options, state_v_first);
+  ASSERT_EQ(old.forward(), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_EQ(rel_rms(old.out.o, full.out.o), 0.0);
+  Call tiny; tiny.options.struct_size = sizeof(uint32_t);
+  EXPECT_EQ(tiny.forward(), GLA_STATUS_OK) << gla_last_error();
+  Call too_small; too_small.options.struct_size = 3;
+  expect_rejected(too_small, false, GLA_STATUS_INVALID_ARGUMENT, {"options:", "struct_size between 4 and", "got 3"});
+}
+
+// ---- outputs that overlap themselves, each other or an input ----
+TEST(Overlap, OutputWithStrideZeroInT) {
+  Call c; c.o.strides[1] = 0;
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"o:", "elements do not overlap", "dim 1"});
+}
+TEST(Overlap, OutputWhoseDimsInterleave) {
+  Call c; c.o.strides[2] = 2;  // H stride 2 < V extent 4: heads share values
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"o:", "elements do not overlap"});
+}
+TEST(Overlap, FinalStateAliasingTheOutput) {
+  Call c; c.ht.data = c.o.data;
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"o:", "disjoint from output final_state", "sharing 512"});
+}
+TEST(Overlap, OutputAliasingAnInput) {
+  Call c; c.o.data = c.v.data;
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"o:", "disjoint from input v"});
+}
+TEST(Overlap, GradientsAliasingEachOther) {
+  Call c; c.dk.data = c.dq.data;
+  expect_rejected(c, true, GLA_STATUS_INVALID_ARGUMENT, {"dq:", "disjoint from output dk"});
+  Call d; d.dv.data = static_cast<char*>(d.dq.data) + 4;  // partial overlap
+  expect_rejected(d, true, GLA_STATUS_INVALID_ARGUMENT, {"dq:", "disjoint from output dv"});
+}
+TEST(Overlap, InputsMayShareMemory) {
+  // q and k the same tensor: read-only sharing is fine, and gives what two copies give.
+  Call shared; shared.k = shared.q;
+  ASSERT_EQ(shared.forward(), GLA_STATUS_OK) << gla_last_error();
+  Call copies; copies.in.k = copies.in.q; copies.k = copies.in.k.t;
+  ASSERT_EQ(copies.forward(), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_EQ(rel_rms(shared.out.o, copies.out.o), 0.0);
 }
 
 // The optional input check (off by default) reports bad values by position.

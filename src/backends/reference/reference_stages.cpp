@@ -2,6 +2,7 @@
 // accumulation, fp32 intermediates in the layouts of gla.h, one (sequence, head) per work item.
 // Decays are formed from differences of cumulative gates clamped at 0 under the causal mask, the
 // way the fp64 oracle does, so no exponent is ever positive.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -51,6 +52,8 @@ struct StageView {
   }
 };
 
+constexpr double kGateFloor = -104.0;
+
 void cumsum(const StageView& s) {
   const gla_problem& p = s.p;
   const int64_t kg = p.gate_per_head ? 1 : p.K;
@@ -59,7 +62,10 @@ void cumsum(const StageView& s) {
     for (int64_t i = 0; i < kg; ++i) {
       double acc = 0;
       for (int64_t r = 0; r < ch.length; ++r) {
-        acc += load_as_double(p.g, gate_offset(p, ch.batch, ch.first + r, s.head, i));
+        // SPEC.md §3.8: g = -inf (a hard reset) enters the sum at a floor below which e^g is 0 in
+        // fp32 (e^-104 < the smallest subnormal), so later stages never form -inf - (-inf); the floor
+        // is no lower so the fp32 gcum buffer keeps the precision of the spans after a reset.
+        acc += std::max(load_as_double(p.g, gate_offset(p, ch.batch, ch.first + r, s.head, i)), kGateFloor);
         store_from_double(p.gcum, offset4(p.gcum, ch.batch, ch.first + r, s.head, i), acc / std::log(2.0));
       }
     }

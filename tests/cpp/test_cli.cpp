@@ -1,0 +1,82 @@
+// The `gla` command's argument handling: numbers parsed strictly, sizes whose buffers overflow
+// int64 and allocations that fail are clear errors (exit status 2 for bad arguments, 1 for a
+// problem the machine cannot hold), never a crash or a silently different problem.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+struct Result {
+  int status = -1;  // exit status, or 128 + signal
+  std::string output;
+};
+
+Result run_cli(const std::string& arguments, const std::string& prefix = "") {
+  Result r;
+  const std::string command = prefix + std::string(GLA_CLI) + " " + arguments + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (!pipe) return r;
+  char buffer[512];
+  while (fgets(buffer, sizeof buffer, pipe)) r.output += buffer;
+  const int raw = pclose(pipe);
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+  return r;
+}
+
+void expect_error(const std::string& arguments, int status, const std::string& phrase) {
+  const Result r = run_cli(arguments);
+  EXPECT_EQ(r.status, status) << arguments << "\n" << r.output;
+  EXPECT_NE(r.output.find(phrase), std::string::npos) << arguments << "\n" << r.output;
+}
+
+TEST(Cli, NumbersAreParsedStrictly) {
+  // Used to run silently as --cu-seqlens 0,0,10.
+  expect_error("run --cu-seqlens 0,abc,10", 2, "--cu-seqlens: expected comma-separated non-negative integers, got 'abc'");
+  expect_error("run --cu-seqlens 0,,10", 2, "got '' in '0,,10'");
+  expect_error("run --cu-seqlens 0,5,-3", 2, "got '-3'");
+  expect_error("run --T 12x", 2, "--T: expected an integer from 0 to 9223372036854775807, got '12x'");
+  expect_error("run --T ' 12'", 2, "got ' 12'");
+  expect_error("run --T 99999999999999999999", 2, "got '99999999999999999999'");
+  expect_error("run --H -1", 2, "--H: expected an integer");
+  expect_error("run --seed 4294967296", 2, "--seed: expected an integer from 0 to 4294967295");
+  expect_error("run --repeat 0", 2, "--repeat: expected an integer from 1 to 1000000");
+  expect_error("run --K", 2, "--K: expected a value");
+}
+
+TEST(Cli, SizesWhoseBuffersOverflowAreErrors) {
+  // Used to crash (SIGSEGV) on a wrapped allocation size.
+  expect_error("run --T 4611686018427387904", 2, "problem too large: B=2 T=4611686018427387904");
+  expect_error("explain --B 1 --T 4294967296 --H 4294967296", 2, "overflow int64");
+}
+
+TEST(Cli, ProblemsLargerThanTheMachineAreErrors) {
+  // Used to abort on an uncaught std::bad_alloc.
+  expect_error("run --K 100000000", 1, "bytes of host memory, more than this machine's");
+}
+
+TEST(Cli, FailedAllocationIsAnError) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "address-space limits (ulimit -v) do not combine with sanitizer shadow memory";
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+  GTEST_SKIP() << "address-space limits (ulimit -v) do not combine with sanitizer shadow memory";
+#endif
+#endif
+  // 2 GB of buffers under a 1 GB address-space limit: the allocation fails inside the command.
+  const Result r = run_cli("run --B 1 --T 100000 --H 4 --K 64 --V 64", "ulimit -v 1000000; ");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("gla: cannot allocate the problem's buffers (2048524288 bytes"), std::string::npos) << r.output;
+}
+
+TEST(Cli, ValidArgumentsStillRun) {
+  const Result r = run_cli("run --B 1 --T 70 --H 1 --K 8 --V 8 --cu-seqlens 0,30,70 --repeat 1");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("problem: B=1 T=70 H=1 K=8 V=8 N=2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("PASS"), std::string::npos) << r.output;
+}
+
+}  // namespace
