@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _ops
+from . import _chunked, _ops
 from ._distributed_plan import Plan, RankLayout
 
 
@@ -127,7 +127,24 @@ def _fold_backward(lay: RankLayout, dS: Tensor, D: Tensor) -> Tensor:
 
 
 def _fwd(call: Call, q, k, v, g, init, cu=None, host=None):
+    if q.dtype == torch.float64:  # outside the C ABI: the torch backend's body, as gla.chunk_gla does
+        o, ht = _chunked.chunk_forward(q, k, v, g, call.scale, init, _offset_list(cu, host), False, True)
+        return o.to(v.dtype), ht
     return torch.ops.gla.chunk_fwd(q, k, v, g, init, cu, host, call.scale, False, True, call.backend, call.policy)
+
+
+def _bwd(call: Call, q, k, v, g, init, cu, host, do, dht):
+    if q.dtype == torch.float64:
+        dq, dk, dv, dg, dh0 = _chunked.chunk_backward(q, k, v, g, call.scale, init, _offset_list(cu, host), False,
+                                                      do=do, dht=dht)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dh0
+    return torch.ops.gla.chunk_bwd(q, k, v, g, init, cu, host, do, dht, call.scale, False, call.backend, call.policy)
+
+
+def _offset_list(cu, host):
+    if cu is None:
+        return None
+    return (host if host is not None else cu).tolist()
 
 
 def _incoming_state_grad(call: Call, q: Tensor, g: Tensor, do: Tensor, dfinal: Optional[Tensor]) -> Tensor:
@@ -255,8 +272,7 @@ class ContextParallel(torch.autograd.Function):
             T = _fold_backward(lay, dS_all, D_all) if rw.outgoing else None
             dfs_rows = dfs[rw.end_seqs] if (dfs is not None and rw.end) else None
             dht = _states(rw.count, rw.end, dfs_rows, (H, K, V), q.device, acc, rw.outgoing, T)
-            dq, dk, dv, dg, dinit = torch.ops.gla.chunk_bwd(q, k, v, g, init, cu, host, do.contiguous(), dht,
-                                                            call.scale, False, call.backend, call.policy)
+            dq, dk, dv, dg, dinit = _bwd(call, q, k, v, g, init, cu, host, do.contiguous(), dht)
             if dh0 is not None and rw.start:
                 dh0[rw.start_seqs] += dinit[rw.start].to(dh0.dtype)
             grads_in += [dq, dk, dv, dg]
