@@ -377,6 +377,8 @@ void set_backward_tensors(gla_problem& p, const gla_tensor* dout, const gla_tens
   if (dq) { check_like("dq", *dq, p.q, "q", p, metadata_only); p.dq = *dq; }
   if (dk) { check_like("dk", *dk, p.k, "k", p, metadata_only); p.dk = *dk; }
   if (dv) { check_like("dv", *dv, p.v, "v", p, metadata_only); p.dv = *dv; }
+}
+
 // The first dim (in stride order) through which two distinct indices of t reach the same element,
 // or -1 when every index has its own element. Sufficient test: with the dims of size > 1 sorted by
 // stride, each stride exceeds the largest offset the smaller-stride dims reach. Layouts it refuses
