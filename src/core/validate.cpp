@@ -280,6 +280,15 @@ void check_like(const char* name, const gla_tensor& t, const gla_tensor& like, c
   check_same_device(name, t, p.q);
 }
 
+// o and do: v's dtype and shape [B, T, H, V], on q's device.
+void check_like_v(const char* name, const gla_tensor& t, const gla_problem& p, const char* shape_text,
+                  bool metadata_only) {
+  check_descriptor(name, t, metadata_only);
+  check_dtype(name, t, p.dtype, " (same as v)");
+  check_shape(name, t, {p.B, p.T, p.H, p.V}, shape_text);
+  check_same_device(name, t, p.q);
+}
+
 }  // namespace
 
 gla_options read_options(const gla_options* options) {
@@ -371,10 +380,7 @@ PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_op
   p.unit = GLA_UNIT_CHUNK_FWD;
   p.backward = 0;
   if (args->o) {
-    check_descriptor("o", *args->o, metadata_only);
-    check_dtype("o", *args->o, p.dtype, " (same as v)");
-    check_shape("o", *args->o, {p.B, p.T, p.H, p.V}, "[B, T, H, V]");
-    check_same_device("o", *args->o, p.q);
+    check_like_v("o", *args->o, p, "[B, T, H, V]", metadata_only);
     p.o = *args->o;
   } else if (!metadata_only) {
     invalid("o: required output tensor is missing (got NULL)");
@@ -405,10 +411,7 @@ PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_
   p.unit = GLA_UNIT_CHUNK_BWD;
   p.backward = 1;
   if (args->do_) {
-    check_descriptor("do", *args->do_, metadata_only);
-    check_dtype("do", *args->do_, p.dtype, " (same as v)");
-    check_shape("do", *args->do_, {p.B, p.T, p.H, p.V}, "[B, T, H, V] like o");
-    check_same_device("do", *args->do_, p.q);
+    check_like_v("do", *args->do_, p, "[B, T, H, V] like o", metadata_only);
     p.do_ = *args->do_;
   }
   if (args->dht) {
