@@ -82,8 +82,10 @@ inline void forward_chunk(int64_t L, int64_t K, int64_t bv, int64_t C, float sca
   // rows read keys up to its last row only (A is zero above the diagonal there, inside the
   // diagonal block), not to the end of their sub-chunk.
   static_assert(kSub % kTileRows == 0, "row tiles within sub-chunks");
-  const Seg seg[2] = {{K, qe, K, 1, S, lds}, {L, A, C, 1, v, ldv}};
-  gemm_segs(L, bv, seg, 2, o, bv, false, nullptr, kTileRows);
+  {  // (its own scope: seg's stack slot is reused by the state step below)
+    const Seg seg[2] = {{K, qe, K, 1, S, lds}, {L, A, C, 1, v, ldv}};
+    gemm_segs(L, bv, seg, 2, o, bv, false, nullptr, kTileRows);
+  }
   // state: kpt becomes (k ⊙ 2^(b_last - b))^T
   const int64_t last0 = (nsub - 1) * kSub;
   if (last0 > 0) {
