@@ -15,8 +15,9 @@
 #endif
 
 #include "cli_args.hpp"
-#include "core/tensor.hpp"  // host element access and fp16/bf16 conversion helpers (header-only)
+#include "gla/dtype.hpp"
 #include "gla/gla.h"
+#include "gla/gla.hpp"
 
 namespace {
 
@@ -81,6 +82,7 @@ Config parse(int argc, char** argv, int first, bool for_run) {
 struct Buffer {
   std::vector<unsigned char> bytes;
   gla_tensor t{};
+  int64_t count = 0;
   Buffer() = default;
   // Sizes already checked by gla::cli::problem_bytes. Without `allocate` only the descriptor is made
   // (explain reads metadata only).
@@ -88,11 +90,13 @@ struct Buffer {
     int64_t n = 1;
     for (int64_t s : sizes) n *= s;
     if (allocate) bytes.resize(static_cast<size_t>(std::max<int64_t>(n, 1) * gla::dtype_size(dtype)));
-    t = gla::make_tensor(allocate ? bytes.data() : nullptr, dtype, device, 0, sizes);
+    t = gla::tensor(allocate ? bytes.data() : nullptr, static_cast<gla_dtype>(dtype), sizes,
+                    static_cast<gla_device_type>(device));
+    count = n;
   }
-  int64_t size() const { return gla::numel(t); }
-  double get(int64_t i) const { return gla::load_as_double(t, i); }
-  void set(int64_t i, double x) { gla::store_from_double(t, i, x); }
+  int64_t size() const { return count; }
+  double get(int64_t i) const { return gla::load_element(t.data, t.dtype, i); }
+  void set(int64_t i, double x) { gla::store_element(t.data, t.dtype, i, x); }
   // Re-point the descriptor after a copy or move.
   void rebind() { t.data = bytes.data(); }
 };

@@ -7,14 +7,10 @@
 #     bench/cuda/harness.cu src/backends/cuda/forward.cu src/backends/cuda/plan.cpp src/backends/cuda/chunk_forward_d64.cu \
 #     src/backends/cuda/chunk_forward_d128.cu
 #   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o build-cuda/handoff bench/cuda/handoff_racecheck.cu
-#   (the harness again with -DGLA_WS_MBARRIER=0 -o build-cuda/harness_named: the named-barrier hand-off)
-#   (and the hand-off mutants for step `racemut`: -DGLA_WS_TEST_EARLY_RELEASE=1 -o harness_early1,
-#    =2 -o harness_early2, -DGLA_WS_TEST_STATE_DELAY=20000 -o harness_delay, both -o harness_early1_delay)
-#   (and with -DGLA_WS_PHASE_CLOCKS -o build-cuda/harness_clk: per-warp phase clocks, step `clocks`)
 # A device call returns at most 8 files from $OUT: the logs go to $OUT/logs/ and come back as one
 # $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/
 # and carry .devtmp to skip fla's ~80 s autotune per shape next time).
-# Typical calls: `check bench ab` after a kernel change (carry build-cuda/harness); `check gtest
+# Typical calls: `check bench` after a kernel change (carry build-cuda/harness); `check gtest
 # pytest fla` before calling GPU work done (carry the library, tests, .whl, .devtmp).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
@@ -26,7 +22,6 @@ for step in "$@"; do
   case "$step" in
     check) ./build-cuda/harness check 2>&1 | tee "$LOG/check.log" || { echo "CHECK FAILED: stopping"; exit 1; } ;;
     bench) ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$LOG/bench.log" ;;
-    skips) for m in 1 2 4 8 16 3 31; do echo "skip $m"; GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips.log" ;;
     ncu) ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters -k regex:chunk_forward -c 1 ./build-cuda/harness bench 8x4096x16x128 2>&1 | tee "$LOG/ncu.log" | grep -v "^==PROF" | tail -60
       ncu --clock-control none --set full --import-source no -k regex:chunk_forward_ws -c 1 -o "$LOG/ws_profile" ./build-cuda/harness bench 8x4096x16x128 > /dev/null 2>&1; ls -la "$LOG"/ws_profile* ;;
     ncusrc) # per-SASS-instruction stall samples of the ws kernel (the source page as CSV); NCU_SHAPE
@@ -40,7 +35,6 @@ for step in "$@"; do
       # the shipped kernels as built (mbarrier hand-off); the whole report is kept for the warnings
       timeout 240 compute-sanitizer --tool racecheck --print-limit 400 ./build-cuda/harness check > "$LOG/racecheck_full.log" 2>&1; tail -3 "$LOG/racecheck_full.log" | tee "$LOG/racecheck.log"
       grep -E "^========= (Warning|Error)" "$LOG/racecheck_full.log" | sed -E 's/0x[0-9a-f]+//g' | sort | uniq -c | sort -rn | head -12
-      GLA_CUDA_KERNEL=mma-diag timeout 240 compute-sanitizer --tool racecheck ./build-cuda/harness check 2>&1 | tail -3 | tee "$LOG/racecheck_mma_diag.log"
       timeout 240 compute-sanitizer --tool synccheck ./build-cuda/harness check 2>&1 | tail -3 | tee "$LOG/synccheck.log"
       unset GLA_CHECK_SMALL ;;
     gtest) LD_LIBRARY_PATH=build-cuda ./build-cuda/tests/cpp/gla_tests --gtest_filter='*Cuda*' 2>&1 | tee "$LOG/gtest.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |FAILED|Failure|error" | head -40 ;;
@@ -57,54 +51,24 @@ for step in "$@"; do
       python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --first 2>&1 | tee "$LOG/first_py.log"
       PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --fla-cases 8x4096x16x128 2>&1 | tee "$LOG/fla.log" | grep -v Warning ;;
     ours) PYTHONUNBUFFERED=1 python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --no-fla 2>&1 | tee "$LOG/ours.log" ;;
-    variant) export GLA_CUDA_KERNEL=mma-diag
-      ./build-cuda/harness check 2>&1 | tee "$LOG/check_mma_diag.log" | grep -v "^ok "
-      ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen 2>&1 | tee "$LOG/bench_mma_diag.log"
-      unset GLA_CUDA_KERNEL ;;
     first) ./build-cuda/harness first 2>&1 | tee "$LOG/first.log" ;;
-    split) # the split-item warp-specialised kernel at K <= 64 (GLA_CUDA_KERNEL=ws-split)
-      GLA_CUDA_KERNEL=ws-split timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_split.log" | grep -v "^ok "
-      grep -c "chunk-ws-split" "$LOG/check_split.log"
-      for v in ws-split auto; do GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 4x8192x32x64 8x4096x16x64; done 2>&1 | tee "$LOG/bench_split.log" ;;
-    split128) # the split-item kernel at K = 128 (768 threads), against the unsplit one; two register splits
-      GLA_CUDA_KERNEL=ws-split timeout 120 ./build-cuda/harness check 2>&1 | tee "$LOG/check_split128.log" | grep -v "^ok "
-      for v in ws ws-split auto; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done 2>&1 | tee "$LOG/bench_split128.log"
-      [ -x build-cuda/harness_r64 ] && GLA_CUDA_KERNEL=ws-split ./build-cuda/harness_r64 bench 8x4096x16x128 1x32768x16x128 32x1024x16x128 2>&1 | tee "$LOG/bench_r64.log"
-      for m in 32 64 96; do echo "skip $m"; GLA_CUDA_KERNEL=ws-split GLA_CUDA_SKIP=$m ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64; done 2>&1 | tee "$LOG/skips_split.log" ;;
-    ab) # A/B of the shipped variants against the default on the five issue cases (two rounds)
-      for r in 1 2; do for v in auto ws ws-split; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench 8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen; done; done 2>&1 | tee "$LOG/bench_ab.log" ;;
-    order) # longest-first block order (bench/cuda/prepared/varlen-order.patch) against the natural one (GLA_ORDER=0)
+    order) # the longest-first block order against the natural one (GLA_ORDER=0)
       for r in 1 2; do for o in 0 1; do echo "GLA_ORDER=$o"; GLA_ORDER=$o ./build-cuda/harness bench varlen 1x32768x16x128 32x1024x16x128 8x4096x16x128; done; done 2>&1 | tee "$LOG/bench_order.log" ;;
     abbin) # several harness builds in one call (bench/cuda/build_harness_at.sh REF NAME; carry each
       # build-cuda/NAME): AB_BINS="harness harness_regs ...", check each, then two interleaved rounds
       # (AB_SHAPES: the shapes, default the five of the issue; the host fills inputs, ~15 s per shape)
       for b in ${AB_BINS:-harness}; do timeout 120 ./build-cuda/$b check 2>&1 | tail -1 | sed "s/^/$b: /"; done 2>&1 | tee "$LOG/check_abbin.log"
       for r in 1 2; do for b in ${AB_BINS:-harness}; do echo "== $b"; ./build-cuda/$b bench ${AB_SHAPES:-8x4096x16x128 4x8192x32x64 1x32768x16x128 32x1024x16x128 varlen}; done; done 2>&1 | tee "$LOG/bench_abbin.log" ;;
-    clocks) # per-warp phase clocks of the ws kernel (build-cuda/harness_clk: the harness built with
-      # -DGLA_WS_PHASE_CLOCKS; ~6% slower, so for where-the-time-goes, not for timing)
-      ./build-cuda/harness_clk bench ${AB_SHAPES:-8x4096x16x128 32x1024x16x128 varlen} 2>&1 | tee "$LOG/clocks.log" ;;
-    wgmma) # the wgmma layout probe (bench/cuda/wgmma_probe.cu, built as build-cuda/wgmma_probe)
-      timeout 60 ./build-cuda/wgmma_probe 2>&1 | tee "$LOG/wgmma_probe.log" ;;
-    checkvar) # correctness of the opt-in variants (the default is the check step)
-      for v in ws ws-split mma-diag ws-wgmma; do GLA_CUDA_KERNEL=$v timeout 150 ./build-cuda/harness check 2>&1 | tail -1 | sed "s/^/$v: /"; done 2>&1 | tee "$LOG/check_variants.log" ;;
     handoff) # racecheck on the hand-off protocol alone (bench/cuda/handoff_racecheck.cu, built as build-cuda/handoff)
       for m in 0 1 2 3 4; do timeout 60 compute-sanitizer --tool racecheck ./build-cuda/handoff $m 2>&1 | grep -E "^mode|SUMMARY"; done 2>&1 | tee "$LOG/handoff.log" ;;
     racebin) # racecheck on the small grid for each build in RC_BINS (e.g. A/B builds of the hand-off)
       for b in ${RC_BINS:-harness}; do echo "== $b"; GLA_CHECK_SMALL=1 timeout 200 compute-sanitizer --tool racecheck ./build-cuda/$b check 2>&1 | tail -3; done 2>&1 | tee "$LOG/racecheck_bins.log" ;;
-    racemut) # racecheck must report the two deliberately early releases (harness_early1: FREE before the
-      # state products; harness_early2: READY before the prep's rescale; -DGLA_WS_TEST_EARLY_RELEASE=1/2)
-      for b in harness_early1 harness_early2; do echo "== $b"; GLA_CHECK_SMALL=1 timeout 150 compute-sanitizer --tool racecheck ./build-cuda/$b check 2>&1 | grep -E "^check:|SUMMARY|^bad|FAIL" | tail -4; done 2>&1 | tee "$LOG/racecheck_mutants.log"
-      # racecheck does not report harness_early1; the FREE direction is tested by a slow state group
-      # (-DGLA_WS_TEST_STATE_DELAY): the correct hand-off must pass, the early FREE must fail
-      for b in harness_delay harness_early1_delay; do [ -x build-cuda/$b ] && { echo "== $b"; timeout 200 ./build-cuda/$b check 2>&1 | grep -E "^check:|FAIL" | tail -4; }; done 2>&1 | tee "$LOG/free_delay.log" ;;
     wide) # K = V = 256 (the key split): harness timing, memcheck of the GPU test, same-run against fla
       ./build-cuda/harness bench 8x4096x16x256 1x32768x16x256 2>&1 | tee "$LOG/bench_wide.log"
       LD_LIBRARY_PATH=build-cuda timeout 200 compute-sanitizer --tool memcheck ./build-cuda/tests/cpp/gla_tests --gtest_filter='*WideKeys*' 2>&1 | tail -4 | tee "$LOG/memcheck_wide.log"
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
       mkdir -p $TRITON_CACHE_DIR; ls .devtmp/triton_cache.tgz.part* >/dev/null 2>&1 && cat .devtmp/triton_cache.tgz.part* | tar -xzf - -C $TRITON_CACHE_DIR
       PYTHONUNBUFFERED=1 timeout ${FLA_TIMEOUT:-300} python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --cases ${WIDE_CASES:-8x4096x16x256} 2>&1 | tee "$LOG/fla_wide.log" | grep -v Warning ;;
-    wgbench) # the opt-in ws-wgmma state group against the default, interleaved, at K = 128
-      for r in 1 2; do for v in auto ws-wgmma; do echo "variant $v"; GLA_CUDA_KERNEL=$v ./build-cuda/harness bench ${WG_SHAPES:-8x4096x16x128 1x32768x16x128}; done; done 2>&1 | tee "$LOG/bench_wgmma.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

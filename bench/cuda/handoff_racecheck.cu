@@ -6,12 +6,12 @@
 // qloc -> qg step), and publishes the slot on READY[s]; a consumer group (8 warps) waits on READY[s],
 // reads the whole slot, and releases it on FREE[s]; the producer waits on FREE[s] before writing the
 // slot again two iterations later.
-//   mode 0: READY by bar.arrive (the kernel's hand-off before session 6, GLA_WS_MBARRIER=0)
-//   mode 1: READY by bar.sync on both sides (a debug mode the kernel had before session 6)
+//   mode 0: READY by bar.arrive (a named-barrier hand-off)
+//   mode 1: READY by bar.sync on both sides
 //   mode 2: mode 0 without FREE: a real race (slot rewritten while it may still be read), which
 //           racecheck must report
 //   mode 3: READY and FREE as mbarriers (arrive by every thread, try_wait.parity): the kernel's
-//           hand-off since session 6
+//           hand-off
 //   mode 4: mode 3 without the FREE wait: the racy control for mode 3
 // Build: nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o handoff bench/cuda/handoff_racecheck.cu
 // Run:   compute-sanitizer --tool racecheck ./handoff MODE   (prints the checksum; exit 1 if wrong)

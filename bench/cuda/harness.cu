@@ -212,12 +212,6 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
   p.gate_dtype = c.gate_dtype;
   p.gate_per_head = c.per_head;
   p.vector_loads = (c.K % 8 == 0 && c.V % 8 == 0) ? 1 : 0;
-  p.debug_skip = std::getenv("GLA_CUDA_SKIP") ? std::atoi(std::getenv("GLA_CUDA_SKIP")) : 0;
-  {
-    const char* kv = std::getenv("GLA_CUDA_KERNEL");
-    const std::string v = kv ? kv : "";
-    p.kernel_variant = v == "mma-diag" ? 1 : v == "plain" ? 2 : v == "ws-split" ? 3 : v == "ws" ? 4 : v == "ws-split4" ? 5 : v == "ws-wgmma" ? 6 : 0;
-  }
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<int64_t> so(P.N + 1);
@@ -229,7 +223,7 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
   P.plan = plan_forward(p, so.data(), sms);
   // GLA_SEGMENT=n (harness only, for calibrating the planner): force segments of n chunks
   // (0: no split). Workspace as plan_forward sizes it.
-  if (const char* seg = std::getenv("GLA_SEGMENT"); seg != nullptr && P.plan.use_chunk_kernel && !P.plan.key_split) {
+  if (const char* seg = std::getenv("GLA_SEGMENT"); seg != nullptr && is_chunk(P.plan.kernel) && !P.plan.key_split) {
     int64_t max_chunks = 0;
     for (int64_t n = 0; n < P.N; ++n) max_chunks = std::max<int64_t>(max_chunks, (so[n + 1] - so[n] + 63) / 64);
     const int64_t want = std::atoll(seg);
@@ -387,10 +381,10 @@ static int run_check() {
     fails += !ok;
     std::printf("%-4s %-6s %-28s o %.2e ht %.2e nonfinite %lld/%lld path %s seg %lld x %lld order %d\n", ok ? "ok" : "FAIL",
                 c.dtype == kBF16 ? "bf16" : c.dtype == kF16 ? "fp16" : "fp32", c.name.c_str(), eo, eh,
-                (long long)nf_o, (long long)nf_h, !P.plan.use_chunk_kernel ? "recurrent" : P.plan.kernel == 6 ? "chunk-ws-wgmma" : P.plan.kernel == 5 ? "chunk-ws-split4" : P.plan.kernel == 3 ? "chunk-ws-split" : P.plan.kernel == 2 ? "chunk-ws" : P.plan.kernel == 1 ? "chunk-mmadiag" : "chunk-plain",
+                (long long)nf_o, (long long)nf_h, kernel_name(P.plan.kernel).id,
                 (long long)P.plan.max_segments, (long long)P.plan.segment_chunks, P.plan.block_order_count);
     // Determinism: a second run gives identical bytes.
-    if (P.plan.use_chunk_kernel) {
+    if (is_chunk(P.plan.kernel)) {
       CK(launch_forward(P.p, P.plan, P.d.ws, 0));
       CK(cudaDeviceSynchronize());
       std::vector<unsigned char> ob2(ob.size());
@@ -472,34 +466,9 @@ int main(int argc, char** argv) {
       setup(P, 11, false);
       const float ms = time_ms(P, 30);
       const Case& c = P.c;
-#ifdef GLA_WS_PHASE_CLOCKS
-      {
-        // One more launch with the phase clocks on: mean cycles per chunk, per warp and phase.
-        const int nw = 32;
-        unsigned long long* dclk = nullptr;
-        CK(cudaMalloc(&dclk, nw * 16 * sizeof(unsigned long long)));
-        CK(cudaMemset(dclk, 0, nw * 16 * sizeof(unsigned long long)));
-        P.p.debug_clocks = dclk;
-        CK(launch_forward(P.p, P.plan, P.d.ws, 0));
-        CK(cudaDeviceSynchronize());
-        std::vector<unsigned long long> h(nw * 16);
-        CK(cudaMemcpy(h.data(), dclk, h.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-        CK(cudaFree(dclk));
-        P.p.debug_clocks = nullptr;
-        std::printf("phase clocks %s (cycles per chunk; prep: load-wait bar read bar loads+far FREE write bar A bar "
-                    "rescale+READY | state: store+vwait bar v-issue READY products+FREE)\n", argv[i]);
-        for (int w = 0; w < nw; ++w) {
-          const unsigned long long n = h[w * 16 + 15];
-          if (!n) continue;
-          std::printf("  warp %2d:", w);
-          for (int k = 0; k < 11; ++k) std::printf(" %6.0f", double(h[w * 16 + k]) / double(n));
-          std::printf("\n");
-        }
-      }
-#endif
       const double bytes = double(c.B * c.T * c.H) * (3 * c.K + 2 * c.V) * 2;
-      std::printf("bench %-16s %.4f ms  (%.2f TB/s eff)  plan: k%d dk %d bv %d seg %lld x %lld chunks ws %.1f MB order %d\n", argv[i], ms,
-                  bytes / (ms * 1e-3) / 1e12, P.plan.kernel, P.plan.head_dim_k, P.plan.value_tile, (long long)P.plan.max_segments,
+      std::printf("bench %-16s %.4f ms  (%.2f TB/s eff)  plan: %s dk %d bv %d seg %lld x %lld chunks ws %.1f MB order %d\n", argv[i], ms,
+                  bytes / (ms * 1e-3) / 1e12, kernel_name(P.plan.kernel).id, P.plan.head_dim_k, P.plan.value_tile, (long long)P.plan.max_segments,
                   (long long)P.plan.segment_chunks, P.plan.workspace_bytes / 1e6, P.plan.block_order_count);
       release(P);
     }

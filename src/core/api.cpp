@@ -55,7 +55,8 @@ const char* gla_status_name(gla_status status) {
   return "unknown status";
 }
 
-const char* gla_version(void) { return "0.1.0"; }
+// GLA_VERSION_STRING: the project() version in CMakeLists.txt (src/core/CMakeLists.txt).
+const char* gla_version(void) { return GLA_VERSION_STRING; }
 
 void gla_options_init(gla_options* options) {
   if (!options) return;

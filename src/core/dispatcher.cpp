@@ -11,11 +11,6 @@ namespace gla {
 
 namespace {
 
-const char* const kUnitNames[GLA_UNIT_COUNT] = {"chunk_fwd",     "chunk_bwd", "cumsum",        "fwd_h",
-                                                "fwd_intra",     "fwd_o",     "bwd_dh",        "bwd_dv",
-                                                "bwd_dA",        "bwd_dqk_intra", "bwd_dqkg",  "recurrent_fwd",
-                                                "recurrent_bwd"};
-
 std::string trim(std::string s) {
   s.erase(0, s.find_first_not_of(" \t"));
   s.erase(s.find_last_not_of(" \t") + 1);
@@ -96,7 +91,7 @@ std::string decline_reason(const RegistryEntry& entry, const gla_problem& proble
   if (!b.serves_device(problem.device_type)) {
     return std::string("does not serve device ") + device_type_name(problem.device_type);
   }
-  if (!b.implements(unit)) return "does not implement " + std::string(kUnitNames[unit]);
+  if (!b.implements(unit)) return "does not implement " + std::string(gla_unit_name(unit));
   if (!unit_is_stage(unit) && present(problem.h) && !b.handles_chunk_states()) {
     return unit == GLA_UNIT_CHUNK_FWD ? "does not write saved chunk states (chunk_states)"
                                       : "does not read saved chunk states (chunk_states)";
@@ -122,7 +117,7 @@ std::string forced_for(const DispatchControl& control, int32_t unit) {
 
 std::string problem_line(const gla_problem& p) {
   std::ostringstream s;
-  s << kUnitNames[p.unit] << " B=" << p.B << " T=" << p.T << " H=" << p.H << " K=" << p.K << " V=" << p.V
+  s << gla_unit_name(p.unit) << " B=" << p.B << " T=" << p.T << " H=" << p.H << " K=" << p.K << " V=" << p.V
     << " N=" << p.N << (p.varlen ? " varlen" : "") << " dtype=" << dtype_name(p.dtype);
   if (p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD) {
     s << " gk=" << (present(p.g) ? dtype_name(p.g.dtype) : "none") << " gv=" << (present(p.gv) ? dtype_name(p.gv.dtype) : "none")
@@ -156,8 +151,8 @@ std::shared_ptr<Backend> choose_for_unit(const std::vector<RegistryEntry>& entri
     reasons << "\n  " << e.backend->name() << ": " << reason;
   }
   if (why_none) {
-    *why_none = forced.empty() ? std::string("no backend accepts ") + kUnitNames[unit] + ":" + reasons.str()
-                               : "forced backend '" + forced + "' declines " + kUnitNames[unit] + ":" + reasons.str();
+    *why_none = forced.empty() ? std::string("no backend accepts ") + gla_unit_name(unit) + ":" + reasons.str()
+                               : "forced backend '" + forced + "' declines " + gla_unit_name(unit) + ":" + reasons.str();
   }
   return nullptr;
 }
@@ -173,7 +168,7 @@ bool try_pipeline(const std::vector<RegistryEntry>& entries, const PreparedProbl
     return false;
   }
   if (pipeline_stages(operation).empty()) {
-    why = std::string(kUnitNames[operation]) + " has no stage pipeline (it runs as a whole operation only)";
+    why = std::string(gla_unit_name(operation)) + " has no stage pipeline (it runs as a whole operation only)";
     return false;
   }
   for (int32_t s : pipeline_stages(operation)) {
@@ -201,7 +196,7 @@ void check_forced_names(const std::vector<RegistryEntry>& entries, const Dispatc
   }
   for (const auto& [unit, name] : control.forced_units) {
     if (!known(name)) {
-      fail(GLA_STATUS_INVALID_ARGUMENT, std::string("backend for ") + kUnitNames[unit] + ": expected one of " +
+      fail(GLA_STATUS_INVALID_ARGUMENT, std::string("backend for ") + gla_unit_name(unit) + ": expected one of " +
                                             names() + ", got '" + name + "'");
     }
   }
@@ -217,7 +212,7 @@ Plan plan_with_reasons(const PreparedProblem& prepared, const DispatchControl& c
 
   if (control.force_pipeline || stage_forced(control, op)) {
     if (try_pipeline(entries, prepared, control, op, plan, why)) return plan;
-    failure = "stage pipeline for " + std::string(kUnitNames[op]) + " cannot run: " + why;
+    failure = "stage pipeline for " + std::string(gla_unit_name(op)) + " cannot run: " + why;
     return Plan{};
   }
   const std::string forced = forced_for(control, op);
@@ -233,7 +228,7 @@ Plan plan_with_reasons(const PreparedProblem& prepared, const DispatchControl& c
       Plan staged;
       std::string stage_why;
       if (try_pipeline(entries, prepared, control, op, staged, stage_why)) return staged;
-      failure = "forced backend '" + forced + "' declines " + kUnitNames[op] + ": " + reason;
+      failure = "forced backend '" + forced + "' declines " + gla_unit_name(op) + ": " + reason;
       return Plan{};
     }
   }
@@ -272,7 +267,7 @@ std::string verdict_table(const PreparedProblem& prepared, const DispatchControl
       const gla_problem p = problem_for_unit(prepared, u);
       std::string reason = decline_reason(e, p, u);
       char name[32];
-      std::snprintf(name, sizeof name, "%-14s", kUnitNames[u]);
+      std::snprintf(name, sizeof name, "%-14s", gla_unit_name(u));
       out << "    " << name << (reason.empty() ? "accepts" : "declines: " + reason) << "\n";
     }
   }
@@ -360,7 +355,7 @@ const std::vector<int32_t>& pipeline_stages(int32_t operation) {
 
 int32_t unit_from_name(const std::string& name) {
   for (int32_t u = 0; u < GLA_UNIT_COUNT; ++u) {
-    if (name == kUnitNames[u]) return u;
+    if (name == gla_unit_name(u)) return u;
   }
   return -1;
 }
@@ -368,7 +363,7 @@ int32_t unit_from_name(const std::string& name) {
 std::string Plan::summary() const {
   if (!pipeline) return whole ? whole->name() + " (whole operation)" : "none";
   std::string s = "stage pipeline:";
-  for (const auto& [unit, backend] : stages) s += std::string(" ") + kUnitNames[unit] + "->" + backend->name();
+  for (const auto& [unit, backend] : stages) s += std::string(" ") + gla_unit_name(unit) + "->" + backend->name();
   return s;
 }
 
@@ -406,7 +401,7 @@ std::string explain(const PreparedProblem& prepared, const DispatchControl& cont
   out << "policy: " << policy_name(control.policy);
   if (control.policy == GLA_POLICY_FASTEST) out << " (no measurement cached: priority order serves)";
   if (!control.forced.empty()) out << ", forced backend '" << control.forced << "'";
-  for (const auto& [unit, name] : control.forced_units) out << ", " << kUnitNames[unit] << " forced to '" << name << "'";
+  for (const auto& [unit, name] : control.forced_units) out << ", " << gla_unit_name(unit) << " forced to '" << name << "'";
   if (control.force_pipeline) out << ", stage pipeline forced";
   out << "\n" << verdict_table(prepared, control);
   std::string failure;

@@ -344,14 +344,20 @@ void check_like(const char* name, const gla_tensor& t, const gla_tensor& like, c
   check_same_device(name, t, p.q);
 }
 
+// o and do: v's dtype and shape [B, T, H, V], on q's device.
+void check_like_v(const char* name, const gla_tensor& t, const gla_problem& p, const char* shape_text,
+                  bool metadata_only) {
+  check_descriptor(name, t, metadata_only);
+  check_dtype(name, t, p.dtype, " (same as v)");
+  check_shape(name, t, {p.B, p.T, p.H, p.V}, shape_text);
+  check_same_device(name, t, p.q);
+}
+
 // o of a forward: required for a call; for explain() without one, the contiguous output the operator
 // would be given, so verifiers that check output strides give the verdict of a real call.
 void set_output(gla_problem& p, const gla_tensor* o, bool metadata_only) {
   if (o) {
-    check_descriptor("o", *o, metadata_only);
-    check_dtype("o", *o, p.dtype, " (same as v)");
-    check_shape("o", *o, {p.B, p.T, p.H, p.V}, "[B, T, H, V]");
-    check_same_device("o", *o, p.q);
+    check_like_v("o", *o, p, "[B, T, H, V]", metadata_only);
     p.o = *o;
   } else if (!metadata_only) {
     invalid("o: required output tensor is missing (got NULL)");
@@ -364,10 +370,7 @@ void set_output(gla_problem& p, const gla_tensor* o, bool metadata_only) {
 void set_backward_tensors(gla_problem& p, const gla_tensor* dout, const gla_tensor* dht, const gla_tensor* dq,
                           const gla_tensor* dk, const gla_tensor* dv, bool metadata_only) {
   if (dout) {
-    check_descriptor("do", *dout, metadata_only);
-    check_dtype("do", *dout, p.dtype, " (same as v)");
-    check_shape("do", *dout, {p.B, p.T, p.H, p.V}, "[B, T, H, V] like o");
-    check_same_device("do", *dout, p.q);
+    check_like_v("do", *dout, p, "[B, T, H, V] like o", metadata_only);
     p.do_ = *dout;
   }
   if (dht) {

@@ -1,6 +1,5 @@
-// The cuda backend's forward planner (src/backends/cuda/plan.cpp, host code): which chunk kernel a
-// problem gets under each GLA_CUDA_KERNEL variant, the tiling, and the segment split of long
-// sequences with its workspace. Runs without a GPU (the planner needs only the SM count), so CI
+// The cuda backend's forward planner (src/backends/cuda/plan.cpp, host code): which kernel a
+// problem gets, the tiling, and the segment split of long sequences with its workspace. Runs without a GPU (the planner needs only the SM count), so CI
 // checks it; the kernels themselves are tested on the GPU (test_cuda_forward.cpp).
 #include <gtest/gtest.h>
 
@@ -18,12 +17,13 @@
 namespace gla::test {
 namespace {
 
+using cuda::ForwardKernel;
 using cuda::ForwardParams;
 using cuda::ForwardPlan;
 
 struct Shape {
   int64_t B = 1, T = 256, H = 2, K = 128, V = 128;
-  int32_t dtype = cuda::kBF16, gate_dtype = cuda::kBF16, per_head = 0, vector_loads = 1, variant = 0;
+  int32_t dtype = cuda::kBF16, gate_dtype = cuda::kBF16, per_head = 0, vector_loads = 1;
 };
 
 ForwardParams params(const Shape& s) {
@@ -38,7 +38,6 @@ ForwardParams params(const Shape& s) {
   p.gate_dtype = s.gate_dtype;
   p.gate_per_head = s.per_head;
   p.vector_loads = s.vector_loads;
-  p.kernel_variant = s.variant;
   return p;
 }
 
@@ -55,41 +54,33 @@ ForwardPlan plan_for(const Shape& s, const std::vector<int64_t>& offsets = {}) {
   return cuda::plan_forward(p, so.data(), 132);
 }
 
-// Variants as GLA_CUDA_KERNEL spells them (cuda_backend.cpp): 0 auto, 1 mma-diag, 2 plain,
-// 3 ws-split, 4 ws, 5 ws-split4. Kernels: 0 plain, 1 mma-diag, 2 ws, 3 ws two threads per item,
-// 5 ws four threads per item.
-TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
+// The warp-specialised kernel where it applies (two prep threads per item at K <= 64), the
+// single-role kernel for what it cannot take (fp32 per-key gate, unaligned rows or K, V not
+// multiples of 8); V tiled by the padded K.
+TEST(CudaPlan, KernelChoiceByShape) {
   struct Row {
     Shape s;
-    int kernel, head_dim_k, value_tile, value_tiles;
+    ForwardKernel kernel;
+    int head_dim_k, value_tile, value_tiles;
   };
   const std::vector<Row> rows = {
-      {{}, 2, 128, 128, 1},                                           // D128: ws
-      {{.K = 64, .V = 64}, 3, 64, 64, 1},                             // D64: two threads per item
-      {{.K = 64, .V = 64, .variant = 4}, 2, 64, 64, 1},               // ws, one thread per item
-      {{.K = 64, .V = 64, .variant = 3}, 3, 64, 64, 1},               // two threads per item
-      {{.K = 64, .V = 64, .variant = 5}, 5, 64, 64, 1},               // four per item
-      {{.variant = 5}, 2, 128, 128, 1},                               // ... only at K <= 64
-      {{.variant = 3}, 3, 128, 128, 1},                               // two per item at K = 128
-      {{.variant = 1}, 1, 128, 128, 1},                               // mma-diag
-      {{.variant = 2}, 0, 128, 128, 1},                               // plain
-      {{.gate_dtype = cuda::kF32}, 1, 128, 128, 1},                   // fp32 per-key gate
-      {{.gate_dtype = cuda::kF32, .per_head = 1}, 2, 128, 128, 1},    // fp32 per-head gate
-      {{.vector_loads = 0}, 1, 128, 128, 1},                          // unaligned rows
-      {{.K = 60, .V = 60, .vector_loads = 0}, 1, 64, 64, 1},
-      {{.K = 64, .V = 128}, 3, 64, 64, 2},                            // V tiled by the padded K
-      {{.K = 100, .V = 200, .vector_loads = 1}, 2, 128, 128, 2},
-      {{.dtype = cuda::kF16}, 2, 128, 128, 1},
-      {{.variant = 6}, 6, 128, 128, 1},                               // ws-wgmma at K = 128
-      {{.K = 100, .V = 200, .variant = 6}, 6, 128, 128, 2},
-      {{.K = 64, .V = 64, .variant = 6}, 2, 64, 64, 1},               // ... elsewhere ws
-      {{.gate_dtype = cuda::kF32, .variant = 6}, 1, 128, 128, 1},     // ... or what serves the problem
+      {{}, ForwardKernel::kChunkWs, 128, 128, 1},                                      // D128
+      {{.K = 64, .V = 64}, ForwardKernel::kChunkWsSplit, 64, 64, 1},                   // D64
+      {{.K = 32, .V = 32}, ForwardKernel::kChunkWsSplit, 64, 64, 1},
+      {{.gate_dtype = cuda::kF32}, ForwardKernel::kChunk, 128, 128, 1},                // fp32 per-key gate
+      {{.K = 64, .V = 64, .gate_dtype = cuda::kF32}, ForwardKernel::kChunk, 64, 64, 1},
+      {{.gate_dtype = cuda::kF32, .per_head = 1}, ForwardKernel::kChunkWs, 128, 128, 1},  // fp32 per-head gate
+      {{.vector_loads = 0}, ForwardKernel::kChunk, 128, 128, 1},                       // unaligned rows
+      {{.K = 60, .V = 60, .vector_loads = 0}, ForwardKernel::kChunk, 64, 64, 1},
+      {{.K = 64, .V = 128}, ForwardKernel::kChunkWsSplit, 64, 64, 2},                  // V tiled by the padded K
+      {{.K = 100, .V = 200, .vector_loads = 1}, ForwardKernel::kChunkWs, 128, 128, 2},
+      {{.K = 100, .V = 200, .vector_loads = 0}, ForwardKernel::kChunk, 128, 128, 2},
+      {{.dtype = cuda::kF16}, ForwardKernel::kChunkWs, 128, 128, 1},
   };
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     const ForwardPlan plan = plan_for(r.s);
     SCOPED_TRACE(testing::Message() << "row " << i);
-    EXPECT_EQ(plan.use_chunk_kernel, 1);
     EXPECT_EQ(plan.kernel, r.kernel);
     EXPECT_EQ(plan.head_dim_k, r.head_dim_k);
     EXPECT_EQ(plan.value_tile, r.value_tile);
@@ -98,10 +89,10 @@ TEST(CudaPlan, KernelChoiceByShapeAndVariant) {
 }
 
 TEST(CudaPlan, RecurrentKernelForFp32AndWideKeys) {
-  EXPECT_EQ(plan_for({.dtype = cuda::kF32, .gate_dtype = cuda::kF32}).use_chunk_kernel, 0);
-  EXPECT_EQ(plan_for({.K = 256, .V = 256, .dtype = cuda::kF32, .gate_dtype = cuda::kF32}).use_chunk_kernel, 0);
-  EXPECT_EQ(plan_for({.K = 264, .V = 64}).use_chunk_kernel, 0);
-  EXPECT_EQ(plan_for({.K = 320, .V = 320}).use_chunk_kernel, 0);
+  EXPECT_EQ(plan_for({.dtype = cuda::kF32, .gate_dtype = cuda::kF32}).kernel, ForwardKernel::kRecurrent);
+  EXPECT_EQ(plan_for({.K = 256, .V = 256, .dtype = cuda::kF32, .gate_dtype = cuda::kF32}).kernel, ForwardKernel::kRecurrent);
+  EXPECT_EQ(plan_for({.K = 264, .V = 64}).kernel, ForwardKernel::kRecurrent);
+  EXPECT_EQ(plan_for({.K = 320, .V = 320}).kernel, ForwardKernel::kRecurrent);
 }
 
 // 128 < K <= 256 with 16-bit inputs: two K = 128 halves on the chunk kernel, the tiling of one
@@ -111,15 +102,15 @@ TEST(CudaPlan, RecurrentKernelForFp32AndWideKeys) {
 TEST(CudaPlan, WideKeysRunAsTwoHalves) {
   struct Row {
     Shape s;
-    int kernel;
+    ForwardKernel kernel;
   };
   const std::vector<Row> rows = {
-      {{.K = 256, .V = 256}, 2},
-      {{.K = 192, .V = 64}, 2},
-      {{.K = 136, .V = 128, .dtype = cuda::kF16}, 2},
-      {{.K = 129, .V = 64, .vector_loads = 0}, 1},                // unaligned: mma-diag halves
-      {{.K = 256, .V = 256, .gate_dtype = cuda::kF32}, 1},        // fp32 per-key gate
-      {{.B = 1, .T = 32768, .H = 16, .K = 256, .V = 256}, 2},     // long: segments too
+      {{.K = 256, .V = 256}, ForwardKernel::kChunkWs},
+      {{.K = 192, .V = 64}, ForwardKernel::kChunkWs},
+      {{.K = 136, .V = 128, .dtype = cuda::kF16}, ForwardKernel::kChunkWs},
+      {{.K = 129, .V = 64, .vector_loads = 0}, ForwardKernel::kChunk},          // unaligned: single-role halves
+      {{.K = 256, .V = 256, .gate_dtype = cuda::kF32}, ForwardKernel::kChunk},  // fp32 per-key gate
+      {{.B = 1, .T = 32768, .H = 16, .K = 256, .V = 256}, ForwardKernel::kChunkWs},  // long: segments too
   };
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
@@ -128,12 +119,11 @@ TEST(CudaPlan, WideKeysRunAsTwoHalves) {
     Shape half = r.s;
     half.K = 128;
     const ForwardPlan h = plan_for(half);
-    EXPECT_EQ(plan.use_chunk_kernel, 1);
     EXPECT_EQ(plan.kernel, r.kernel);
     EXPECT_EQ(plan.head_dim_k, 128);
     EXPECT_EQ(plan.value_tiles, h.value_tiles);
     EXPECT_EQ(plan.max_segments, h.max_segments);
-    if (r.kernel == 2) {
+    if (r.kernel == ForwardKernel::kChunkWs) {
       EXPECT_EQ(plan.key_split, 2);
       EXPECT_EQ(plan.workspace_bytes, h.workspace_bytes);
     } else {
@@ -225,54 +215,29 @@ TEST(CudaPlan, UnevenSequencesLaunchLongestFirst) {
   const ForwardPlan plan = plan_for(s, so);
   EXPECT_GT(plan.block_order_count, 0);
   expect_longest_first(plan, so);
-  // Equal lengths keep the natural order, and so do the single-role kernels.
+  // Equal lengths keep the natural order, and so does the single-role kernel.
   EXPECT_EQ(plan_for({.B = 8, .T = 4096, .H = 16}).block_order_count, 0);
-  EXPECT_EQ(plan_for({.B = 1, .T = so.back(), .H = 16, .variant = 1}, so).block_order_count, 0);
+  const ForwardPlan single = plan_for({.B = 1, .T = so.back(), .H = 16, .gate_dtype = cuda::kF32}, so);
+  EXPECT_EQ(single.kernel, ForwardKernel::kChunk);
+  EXPECT_EQ(single.block_order_count, 0);
+}
+
+// One name per kernel, distinct: the harness and plan_note print them.
+TEST(CudaPlan, KernelNamesAreDistinct) {
+  const ForwardKernel all[] = {ForwardKernel::kRecurrent, ForwardKernel::kChunk, ForwardKernel::kChunkWs,
+                               ForwardKernel::kChunkWsSplit};
+  for (ForwardKernel a : all) {
+    for (ForwardKernel b : all) {
+      if (a == b) continue;
+      EXPECT_STRNE(cuda::kernel_name(a).id, cuda::kernel_name(b).id);
+      EXPECT_STRNE(cuda::kernel_name(a).description, cuda::kernel_name(b).description);
+    }
+  }
+  EXPECT_STREQ(cuda::kernel_name(ForwardKernel::kChunkWsSplit).id, "chunk-ws-split");
 }
 
 }  // namespace
 }  // namespace gla::test
-
-// The 128-byte-swizzled tile layout of the ws-wgmma variant (cuda::detail::sw128_off; the
-// hardware side is checked on a GPU by bench/cuda/wgmma_probe.cu). The kernels rely on: a
-// bijection of a 64 x 128 tile onto its 8192 elements; eight columns from a multiple of 8 contiguous
-// (ldmatrix / stmatrix rows); the eight 16-byte chunks of a row in eight different chunk slots of
-// its 128-byte line (conflict-free row access); column blocks of 64 8 KB apart; and, read as
-// B[k = row][n = column], the N-major atom placement that GLA_WG_KG_LBO/SBO describe (8-row atoms
-// 1024 bytes apart along rows, column blocks 8192 apart).
-TEST(CudaLayout, Swizzled128ByteTile) {
-  using gla::cuda::detail::sw128_off;
-  std::vector<int> seen(64 * 128, 0);
-  for (int r = 0; r < 64; ++r) {
-    std::vector<int> slots;
-    for (int c = 0; c < 128; ++c) {
-      const int e = sw128_off(r, c);
-      ASSERT_GE(e, 0);
-      ASSERT_LT(e, 64 * 128);
-      ++seen[e];
-      if (c % 8 != 0) {
-        EXPECT_EQ(e, sw128_off(r, c - 1) + 1) << "row " << r << " col " << c;
-      }
-      if (c % 8 == 0 && c < 64) slots.push_back((e * 2 / 16) % 8);
-      EXPECT_EQ(e * 2 / 8192, c / 64);                        // column block
-      EXPECT_EQ((e * 2 % 8192) / 128, r) << "row's 128-byte line";
-      EXPECT_EQ((e * 2 % 8192) / 1024, r / 8) << "8-row atom";
-    }
-    std::sort(slots.begin(), slots.end());
-    for (int i = 0; i < 8; ++i) EXPECT_EQ(slots[i], i) << "row " << r;
-  }
-  for (int e = 0; e < 64 * 128; ++e) ASSERT_EQ(seen[e], 1) << "element " << e;
-  // ldmatrix reads one 16-byte chunk column of 8 consecutive rows: the swizzle puts them in 8
-  // different chunk slots (unswizzled rows would all hit the same banks).
-  for (int r0 = 0; r0 < 64; r0 += 8) {
-    for (int j = 0; j < 16; ++j) {
-      std::vector<int> slots;
-      for (int r = r0; r < r0 + 8; ++r) slots.push_back((sw128_off(r, 8 * j) * 2 / 16) % 8);
-      std::sort(slots.begin(), slots.end());
-      for (int i = 0; i < 8; ++i) EXPECT_EQ(slots[i], i) << "rows " << r0 << ".." << r0 + 7 << ", chunk " << j;
-    }
-  }
-}
 
 #else
 

@@ -1,5 +1,7 @@
 """The registry from Python: backends(), explain(), gla.backend() / gla.policy() selection, the
 `torch` backend's place in the native registry, and the descriptor <-> tensor bridge."""
+import pathlib
+import re
 import threading
 
 import pytest
@@ -21,6 +23,12 @@ def test_backends_lists_torch_and_reference():
     assert [b.priority for b in infos] == sorted(b.priority for b in infos)
     assert gla.library_path().endswith((".so", ".dylib", ".dll"))
     assert gla.version()
+
+
+def test_version_is_the_cmake_project_version():
+    # One source: CMakeLists.txt's project() line (pyproject.toml reads it too).
+    cmake = (pathlib.Path(__file__).resolve().parents[2] / "CMakeLists.txt").read_text()
+    assert gla.version() == re.search(r"project\(libgla VERSION ([0-9.]+)", cmake).group(1)
 
 
 def test_explain_forward_and_backward():

@@ -9,11 +9,6 @@
 #include <immintrin.h>
 #endif
 
-#ifdef GLA_CPU_PROF
-#include <atomic>
-#include <cstdio>
-#include <x86intrin.h>
-#endif
 #include "backends/cpu/cpu_kernels.hpp"
 
 namespace gla::cpu::avx512 {

@@ -46,33 +46,35 @@ struct ForwardParams {
   int32_t gate_dtype;  // ElementType of g
   int32_t gate_per_head;
   int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
-  int32_t debug_skip;    // profiling only (0 in production): bit mask of chunk-kernel phases to skip
   // 1: add this pass's o to what o holds (the key split's second half on the warp-specialised
   // kernel at K = 128: ForwardPlan::key_split == 2). Picks a kernel instance; 0 otherwise.
   int32_t accumulate_o;
-  // Which chunk kernel the planner may pick (GLA_CUDA_KERNEL): 0 auto (the warp-specialised kernel
-  // where it applies -- with two threads per element-wise item at K <= 64 --, else the
-  // tensor-core-diagonal one), 1 mma-diag, 2 plain (element-wise diagonal blocks), 3 ws-split (the
-  // warp-specialised kernel with two threads per item, at any K), 4 ws (one thread per item), 5
-  // ws-split4 (four threads per item at K <= 64, else as auto), 6 ws-wgmma (the wgmma state group at
-  // K = 128, else as ws). Kept for A/B timing and as a fallback.
-  int32_t kernel_variant;
-#ifdef GLA_WS_PHASE_CLOCKS
-  // Profiling builds of the harness only (-DGLA_WS_PHASE_CLOCKS): per CTA warp, 16 counters of
-  // summed clock64 cycles by phase of the warp-specialised kernel (see GLA_PHASE there).
-  unsigned long long* debug_clocks;
-#endif
 };
+
+// The kernel a plan runs. One name table (kernel_name, plan.cpp) serves the backend's plan note
+// and the harness.
+enum class ForwardKernel : int32_t {
+  kRecurrent,     // the fp32 token loop (forward.cu)
+  kChunk,         // single-role chunk kernel, tensor-core diagonal blocks (chunk_forward_kernel.cuh)
+  kChunkWs,       // warp-specialised chunk kernel, one prep thread per element-wise item (K <= 128)
+  kChunkWsSplit,  // the same with two prep threads per item (K <= 64)
+};
+struct KernelName {
+  const char* id;           // short name, as the harness prints it
+  const char* description;  // one phrase, as plan_note prints it
+};
+const KernelName& kernel_name(ForwardKernel kernel);
+constexpr bool is_chunk(ForwardKernel k) { return k != ForwardKernel::kRecurrent; }
+constexpr bool is_warp_specialised(ForwardKernel k) {
+  return k == ForwardKernel::kChunkWs || k == ForwardKernel::kChunkWsSplit;
+}
 
 // How the chunk kernel splits sequences (host-side plan; see plan_forward).
 struct ForwardPlan {
-  int32_t use_chunk_kernel = 0;  // 0: recurrent kernel
+  ForwardKernel kernel = ForwardKernel::kRecurrent;
   int32_t head_dim_k = 0;        // 64 or 128 (padded K)
   int32_t value_tile = 0;        // 64 or 128
   int32_t value_tiles = 0;
-  int32_t kernel = 0;            // 0 plain, 1 mma-diag, 2 warp-specialised (mma-diag numerics), 3 ws two
-                                 // threads per element-wise item, 5 ws four threads per item,
-                                 // 6 ws with the wgmma state group (opt-in)
   int64_t segment_chunks = 0;  // segment length in 64-token chunks
   int64_t max_segments = 0;    // per sequence (grid size)
   size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1), + the partial o

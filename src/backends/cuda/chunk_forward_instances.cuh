@@ -2,8 +2,6 @@
 // chunk_forward_d64.cu and chunk_forward_d128.cu so the two compile in parallel.
 #pragma once
 
-#include <algorithm>
-
 #include "backends/cuda/chunk_forward_kernel.cuh"
 #include "backends/cuda/chunk_forward_ws_kernel.cuh"
 
@@ -12,11 +10,13 @@ namespace gla::cuda::detail {
 // Kernel parameters (ForwardParams and SegmentArgs with its block order) within the classic 4 KB.
 static_assert(sizeof(ForwardParams) + sizeof(SegmentArgs) <= 4096, "kernel parameters over 4 KB");
 
-template <int DK, int BV, typename E, bool MMA_DIAG = false>
+// The single-role kernel (value tile BV = DK; both passes of a segment split).
+template <int DK, typename E>
 cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
+  constexpr int BV = DK;
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
-  const ChunkSmem L = chunk_smem_layout(DK, BV, gate_bytes, p.gate_per_head != 0, MMA_DIAG);
-  auto kernel = chunk_forward_kernel<DK, BV, E, MMA_DIAG>;
+  const ChunkSmem L = chunk_smem_layout(DK, BV, gate_bytes, p.gate_per_head != 0);
+  auto kernel = chunk_forward_kernel<DK, E>;
   // Raise the dynamic shared-memory limit once per instantiation and size.
   static int raised = 0;
   if (raised < L.total) {
@@ -46,16 +46,15 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
   return cudaGetLastError();
 }
 
-// The warp-specialised kernel (both passes of a segment split). WG: the full pass with the wgmma
-// state group (ws-wgmma); pass 1 keeps the mma.sync kernel. The shared-memory request covers both
-// layouts (on a device without wgmma the WG instance runs the plain layout).
-// ACC: the full pass adds its o into o (ForwardParams::accumulate_o, the key split's second half).
-template <int DK, typename E, int RS = 16, bool WG = false, bool ACC = false>
+// The warp-specialised kernel (both passes of a segment split). RS: rows per element-wise item
+// (16, or 8 with two prep threads per item). ACC: the full pass adds its o into o
+// (ForwardParams::accumulate_o, the key split's second half).
+template <int DK, typename E, int RS = 16, bool ACC = false>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
   const bool per_head = p.gate_per_head != 0;
-  const int smem_bytes = std::max(ws_smem_layout(DK, per_head, 16 / RS, WG).total, ws_smem_layout(DK, per_head, 16 / RS).total);
-  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, WG, ACC>;
+  const int smem_bytes = ws_smem_layout(DK, per_head, 16 / RS).total;
+  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, ACC>;
   auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;  // pass 1 of a segment split
   static int raised = 0;
   if (raised < smem_bytes) {

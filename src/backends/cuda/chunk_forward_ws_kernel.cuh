@@ -1,31 +1,34 @@
-// The chunked forward, warp-specialised: two warp groups in one CTA work on consecutive chunks at
+// The warp-specialised chunk kernel: two warp groups in one CTA work on consecutive chunks at
 // once, so the element-wise and intra-chunk work of chunk c+1 overlaps the state work of chunk c.
 //
-// Same mathematics and numerics as chunk_forward_kernel.cuh with MMA_DIAG (tensor-core diagonal
-// blocks by binary pivot levels); read that file's header first. What changes is who does what:
+// Same mathematics and numerics as the single-role kernel (chunk_forward_kernel.cuh: tensor-core
+// diagonal blocks by binary pivot levels); read that file's header first. What changes is who does
+// what:
 //
-//   prep group  (warps 0 .. DK/16-1, 2*DK threads, one element-wise item (column pair, sub-chunk)
-//               each): cp.async of q, k, g into one raw stage; cumsum, e, qloc/kloc, the level
-//               copies; A (off-diagonal blocks and levels on tensor cores, diagonal and the h = 1
-//               pairs from shuffle reductions); qg/kg and the chunk decay. It publishes them in one
-//               of two slots {qg, kg, A, decay} and moves on to the next chunk.
-//   state group (warps DK/16 .. , BV/16 warps; warp w owns value rows 16w..16w+15 of S^T in fp32
-//               registers): cp.async of v (two stages); o^T = S^T qg^T + V^T A^T, S^T update,
-//               o through its own columns of the v stage (private to the warp) to global memory.
+//   prep group  (warps 0 .. NP/32-1, one element-wise item (column pair, sub-chunk) per thread, or
+//               two threads per item with RS = 8): cp.async of q, k, g into one raw stage; cumsum,
+//               e, qloc/kloc, the level copies; A (off-diagonal blocks and levels on tensor cores,
+//               diagonal and the h = 1 pairs from shuffle reductions); qg/kg and the chunk decay. It
+//               publishes them in one of two slots {qg, kg, A, decay} and moves on to the next chunk.
+//   state group (BV/16 warps; warp w owns value rows 16w..16w+15 of S^T in fp32 registers):
+//               cp.async of v (two stages); o^T = S^T qg^T + V^T A^T, S^T update, o through its own
+//               columns of the v stage (private to the warp) to global memory.
 //
-// Hand-off by named barriers (bar.sync / bar.arrive): READY[s] (prep arrives, state syncs) and
-// FREE[s] (state arrives, prep syncs) for slot s = chunk & 1; each group also has its own
-// barrier for its internal phases. Raw q/k/g are read into registers at the start of the prep's
-// element-wise phase, so the next chunk's loads are issued right after and have the rest of the
-// chunk to land. The smallest pivot level (pairs 2i+1, 2i) is a reduction, not a level copy:
+// Hand-off by mbarriers: READY[s] (every prep thread arrives, the state group waits) and FREE[s]
+// (every state thread arrives, the prep group waits) for slot s = chunk & 1; each group also has
+// its own named barrier for its internal phases. Raw q/k/g are read into registers at the start of
+// the prep's element-wise phase, so the next chunk's loads are issued right after and have the rest
+// of the chunk to land. The smallest pivot level (pairs 2i+1, 2i) is a reduction, not a level copy:
 // that keeps the CTA within 227 KB of shared memory at DK = 128.
 //
 // Scope: DK = BV (64 or 128), 16-bit q/k/v, 16-bit per-key gate or per-head gate, vector loads;
 // both passes of a segment split (pass 1: k, g, v and the state update only). Everything else runs
-// the plain kernel (the planner decides).
+// the single-role kernel (the planner decides).
 #pragma once
 
-#include "backends/cuda/chunk_forward_kernel.cuh"
+#include "backends/cuda/chunk_layout.hpp"
+#include "backends/cuda/chunk_tile_ops.cuh"
+#include "backends/cuda/device_utils.cuh"
 
 namespace gla::cuda::detail {
 
@@ -52,47 +55,31 @@ struct WsSmem {
 // Per prep warp: RS row sums of q.k, then RS/2 pair sums (RS = 16 / halves rows per item).
 __host__ __device__ constexpr int ws_dpart_stride(int halves) { return (16 / halves) * 3 / 2; }
 // The far blocks' factor table (and the A-phase split that gives the far blocks warps of their
-// own) only where it measured faster: DK = 128 with one prep thread per item. On the H200, same
-// call, interleaved: B8 T4096 H16 D128 0.388 -> 0.380 ms with it; but B4 T8192 H32 D64 (split
-// items) 0.365 -> 0.377 ms and B32 T1024 H16 D128 0.437 -> 0.454 ms. Split items at DK = 128
-// (768 threads) have no room for it: their shared memory is full.
+// own) only where it measured faster: DK = 128 with one prep thread per item (H200, B8 T4096 H16
+// D128 0.388 -> 0.380 ms; with split items at D64 0.365 -> 0.377 ms, so not there).
 __host__ __device__ constexpr bool ws_far_factor_table(int dk, int halves) { return dk == 128 && halves == 1; }
-// halves = 2 or 4: the split-item variants (two or four prep threads per element-wise item, 8 or 4
-// rows each). wg: the slots' qw, kw and A in the 128-byte-swizzled layout that wgmma reads
-// (sw128_off: 64 x DK and 64 x 64 tiles without padding, 1024-byte aligned), placed first; the
-// kernel checks that its shared-memory base is 1024-byte aligned.
-__host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1, bool wg = false) {
+// halves = 2: split items (two prep threads per element-wise item, 8 rows each).
+__host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
   WsSmem s{};
   s.pq = dk + 8;
   s.pv = dk + 8;
-  s.pa = wg ? kChunk : kChunk + 8;
+  s.pa = kChunk + 8;
   // The raw stage is only read row-wise (a warp reads 32 column pairs of one row, conflict-free at
-  // any pitch), never by ldmatrix: no padding. That is what lets the split-item variant fit at DK = 128.
+  // any pitch), never by ldmatrix: no padding.
   s.pr = dk;
   const int tile = kChunk * s.pq * 2;
   const int raw = kChunk * s.pr * 2;
   int off = 0;
-  if (wg) {
-    s.s_qw = 0;
-    s.s_kw = kChunk * dk * 2;
-    s.s_a = 2 * kChunk * dk * 2;
-    s.s_dfac = s.s_a + kChunk * kChunk * 2;
-    s.slot0 = 0;
-    s.slot_step = (s.s_dfac + dk * 4 + 1023) & ~1023;
-    off = 2 * s.slot_step;
-  }
   s.q = off; off += raw;
   s.k = off; off += raw;
   s.g = off; off += per_head ? kChunk * 4 : raw;
   s.lvl0 = off; s.lvl_step = tile; off += 3 * tile;
   s.v0 = off; s.v_step = kChunk * s.pv * 2; off += 2 * s.v_step;
-  if (!wg) {
-    s.s_qw = 0;
-    s.s_kw = tile;
-    s.s_a = 2 * tile;
-    s.s_dfac = s.s_a + kChunk * s.pa * 2;
-    s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
-  }
+  s.s_qw = 0;
+  s.s_kw = tile;
+  s.s_a = 2 * tile;
+  s.s_dfac = s.s_a + kChunk * s.pa * 2;
+  s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
   s.tot = off; off += 4 * dk * 4;
   s.htot = off; off += halves > 1 ? 4 * halves * dk * 4 : 0;
   s.dpart = off; off += (2 * dk * halves / 32) * ws_dpart_stride(halves) * 4;
@@ -111,59 +98,12 @@ __host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halv
 __device__ __forceinline__ void named_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-__device__ __forceinline__ void named_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
 
-// Phase clocks (harness-only profiling builds, -DGLA_WS_PHASE_CLOCKS): lane 0 of every warp adds
-// the cycles since its previous stamp to counter i of its warp, so each phase's work and each
-// barrier's wait are separated per warp. Counter 15 counts chunks.
-#ifdef GLA_WS_PHASE_CLOCKS
-#define GLA_PHASE(i)                                                                                \
-  do {                                                                                              \
-    const long long t_ = clock64();                                                                 \
-    if (lane == 0 && p.debug_clocks) atomicAdd(p.debug_clocks + warp * 16 + (i), static_cast<unsigned long long>(t_ - phase_t)); \
-    phase_t = t_;                                                                                   \
-  } while (0)
-#define GLA_PHASE_COUNT() \
-  do {                    \
-    if (lane == 0 && p.debug_clocks) atomicAdd(p.debug_clocks + warp * 16 + 15, 1ull); \
-  } while (0)
-#else
-#define GLA_PHASE(i) \
-  do {               \
-  } while (0)
-#define GLA_PHASE_COUNT() \
-  do {                    \
-  } while (0)
-#endif
-
-// The READY/FREE hand-off between the two warp groups: mbarriers (1, the default) or named
-// barriers (0, bar.arrive / bar.sync; a measurement build). Session 6, H200, interleaved A/B: the
-// mbarriers are 1% faster at B8 T4096 H16 D128 and 4% slower at B4 T8192 H32 D64; they are the
-// default because compute-sanitizer's racecheck models them and the hand-off is then checked on
-// the shipped kernel (racecheck does not model bar.arrive's release and reports the named-barrier
-// hand-off as hazards). One arrival per thread: arriving once per warp after __syncwarp is as
-// fast, but racecheck does not carry the warp's accesses through lane 0's arrival (840 errors).
-#ifndef GLA_WS_MBARRIER
-#define GLA_WS_MBARRIER 1
-#endif
-
-// Sanitizer validation builds only (never set for the library): 1 = the state group frees a slot
-// before its products read it, 2 = the prep group publishes a slot before its rescale phase writes
-// it. Both are real races, which racecheck must report on these builds (device_run.sh `racemut`);
-// that is what shows the tool checks this hand-off at all.
-#ifndef GLA_WS_TEST_EARLY_RELEASE
-#define GLA_WS_TEST_EARLY_RELEASE 0
-#endif
-// Validation builds only: the state group idles this many cycles before its products, so that the
-// prep group runs ahead and waits at FREE. At normal speed the prep group is the slower one and
-// never reaches a slot the state group still reads, so only this build exercises FREE (racecheck
-// does not report a missing FREE; harness_early1 with the delay must then fail the check).
-#ifndef GLA_WS_TEST_STATE_DELAY
-#define GLA_WS_TEST_STATE_DELAY 0
-#endif
-
+// The READY/FREE hand-off between the two warp groups is on mbarriers: compute-sanitizer's
+// racecheck models them, so the hand-off is checked on the shipped kernel (it does not model
+// bar.arrive's release; named barriers measured within 1% at B8 T4096 H16 D128 on the H200). One
+// arrival per thread: arriving once per warp after __syncwarp is as fast, but racecheck does not
+// carry the warp's accesses through lane 0's arrival.
 // mbarrier hand-off: arrive by every thread of the group, wait on the phase parity. Use k of slot
 // s (chunk c, k = (c - c_begin) / 2) completes phase k.
 __device__ __forceinline__ void mbar_init(void* b, int count) {
@@ -215,78 +155,11 @@ __device__ __forceinline__ void write_level_rows_h8(uint16_t* base, int pq, bool
   }
 }
 
-// The general case (four threads per item): a level copy (half size HH) of a split item's RS rows at `base` (its first row and column pair)
-// when the rows lie inside one half of a 2 HH block: key members (first half, pivot its last row:
-// k_r prod_{u=r+1..piv} e_u) or query members (second half: q_r prod_{u=piv+1..r} e_u). The other
-// threads of the same half contribute their row totals ht (log2) as the start factor; a level whose
-// blocks fit in the RS rows uses write_level_block.
-template <int HH, int RS, int HALVES, typename X>
-__device__ __forceinline__ void write_level_split(uint16_t* base, int pq, int hf, const float (&ht0)[HALVES],
-                                                  const float (&ht1)[HALVES], const uint32_t (&qv)[RS],
-                                                  const uint32_t (&kv)[RS], const float (&e0)[RS], const float (&e1)[RS]) {
-  if constexpr (2 * HH <= RS) {
-    write_level_block<HH, RS, X>(base, pq, qv, kv, e0, e1);
-  } else {
-    constexpr int TPH = HH / RS;  // threads per half block
-    const int j = hf % TPH;       // this thread's place in its half
-    const bool key_half = (hf / TPH) % 2 == 0;
-    float f0 = 1.f, f1 = 1.f;
-    if constexpr (TPH > 1) {
-      // Key half: the rows of the later threads up to the pivot; query half: the earlier ones
-      // after it. Sums of row totals (all <= 0), unrolled so the arrays stay in registers.
-      float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-      for (int i = 0; i < HALVES; ++i) {
-        const bool in = key_half ? (i > hf && i < hf - j + TPH) : (i < hf && i >= hf - j);
-        if (in) {
-          s0 += ht0[i];
-          s1 += ht1[i];
-        }
-      }
-      f0 = fast_exp2(s0);
-      f1 = fast_exp2(s1);
-    }
-    if (key_half) {
-#pragma unroll
-      for (int r = RS - 1; r >= 0; --r) {
-        const float2 k = X::to_float2(kv[r]);
-        *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(k.x * f0, k.y * f1);
-        f0 *= e0[r];
-        f1 *= e1[r];
-      }
-    } else {
-#pragma unroll
-      for (int r = 0; r < RS; ++r) {
-        f0 *= e0[r];
-        f1 *= e1[r];
-        const float2 q = X::to_float2(qv[r]);
-        *reinterpret_cast<uint32_t*>(base + r * pq) = X::pack(q.x * f0, q.y * f1);
-      }
-    }
-  }
-}
-
-// Register split of the 768-thread split-item kernel at DK = 128 (launched with 80 per thread:
-// 512 prep threads give up registers to the 256 state threads, which hold S^T).
-// Register split of the 512-thread kernel at DK = 128 (launched with 128 per thread). Measured on
-// the H200 (same call, interleaved, B8 T4096 H16 D128 / B32 T1024): 112/144 0.381/0.453 ms,
-// 120/136 0.393/0.465, 128/128 0.402/0.471 -- the state group spills below 144.
-#ifndef GLA_WS512_PREP_REGS
-#define GLA_WS512_PREP_REGS "112"
-#define GLA_WS512_STATE_REGS "144"
-#endif
-#ifndef GLA_WS768_PREP_REGS
-#define GLA_WS768_PREP_REGS "56"
-#define GLA_WS768_STATE_REGS "128"
-#endif
-// ... and of the 640-thread kernel at DK = 64 with four threads per item (launched with 96:
-// 512 x P + 128 x S = 640 x 96).
-#ifndef GLA_WS640_PREP_REGS
-#define GLA_WS640_PREP_REGS "80"
-#define GLA_WS640_STATE_REGS "160"
-#endif
+// Register split of the 512-thread kernel at DK = 128 (launched with 128 per thread; setmaxnreg
+// below). Measured on the H200 (B8 T4096 H16 D128 / B32 T1024): 112/144 0.381/0.453 ms, 120/136
+// 0.393/0.465, 128/128 0.402/0.471 -- the state group spills below 144.
 // Barrier ids (0 is __syncthreads).
-constexpr int kBarPrep = 1, kBarState = 2, kBarReady0 = 3, kBarFree0 = 5;
+constexpr int kBarPrep = 1, kBarState = 2;
 
 // Two packed 16-bit values plus two, in fp32, packed again (the key split's o accumulation).
 template <typename X>
@@ -331,88 +204,18 @@ __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t*
 #endif
 }
 
-// The state group's products on wgmma (ws-wgmma): o^T = V^T A^T + S^T qg^T and
-// S^T = S^T diag(2^{b_last}) + V^T kg for this warp group's 64 value rows. The registers are those of
-// the mma.sync path (acc: o^T's eight n8 tiles; S: S^T's DK/8), which are also wgmma's m64nN
-// accumulator fragments; the A operands are S^T rounded to 16 bits (two batches of four k-steps, so
-// that only 16 packed registers are live) and the V^T fragments. qg (rows t, K = k), A (rows t,
-// K = s) are K-major B operands, kg (rows s = K, k contiguous) N-major; all in sw128_off layout.
-template <int DK, typename X>
-__device__ __forceinline__ void wg_state_products(float (&acc)[8][4], float (&S)[DK / 8][4], uint32_t (&vf)[4][4],
-                                                  uint32_t qw_addr, uint32_t a_addr, uint32_t kw_addr,
-                                                  const float* dfac, uint16_t* vs, int pv, int vrow, int lane, float sc) {
-  static_assert(DK == 128, "ws-wgmma: DK = 128");
-  float* o = &acc[0][0];
-  float* st = &S[0][0];
-  // Registers: S^T (64) and o^T (32) stay; V^T (16) and the packed S^T batch (16) are never live
-  // together (ptxas serialises wgmma when its operands do not fit: C7512).
-  wg_pin<32>(o);
-  wg_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_n64_kmajor<X>(o, vf[kk], wg_desc(a_addr + kk * 32, 16, 1024));
-  wg_commit();
-  wg_wait_all();
-  wg_pin<32>(o);
-  wg_pin<16>(&vf[0][0]);
-  uint32_t P[4][4];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int kk = half * 4 + j;
-      P[j][0] = X::pack(S[2 * kk][0], S[2 * kk][1]);
-      P[j][1] = X::pack(S[2 * kk][2], S[2 * kk][3]);
-      P[j][2] = X::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]);
-      P[j][3] = X::pack(S[2 * kk + 1][2], S[2 * kk + 1][3]);
-    }
-    wg_fence();
-#pragma unroll
-    for (int j = 0; j < 4; ++j) wgmma_n64_kmajor<X>(o, P[j], wg_desc(qw_addr + half * 8192 + j * 32, 16, 1024));
-    wg_commit();
-    wg_wait_all();
-    wg_pin<32>(o);
-    wg_pin<16>(&P[0][0]);
-  }
-  decay_state<DK>(S, dfac, lane);
-  // V^T again (cheaper than keeping 16 registers live), then o^T staged in this warp's columns of
-  // the v stage now, so that its 32 registers are free during the S^T product; __syncwarp orders
-  // the other lanes' ldmatrix reads of those columns before the stmatrix writes.
-  load_v_fragments(vf, vs, pv, vrow, lane);
-  __syncwarp();
-  stage_o_tile<X>(acc, vs, pv, vrow, lane, sc);
-  wg_pin<DK / 2>(st);
-  wg_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    wgmma_n128_nmajor<X>(st, vf[kk], wg_desc(kw_addr + kk * 2048, GLA_WG_KG_LBO, GLA_WG_KG_SBO));
-  }
-  wg_commit();
-  wg_wait_all();
-  wg_pin<DK / 2>(st);
-  wg_pin<16>(&vf[0][0]);
-}
-
 // RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk). 8 (split
-// items): two prep threads per item, each with 8 rows, exchanging their row totals through shared
-// memory; twice the prep warps for the same work, to cut the prep group's serial latency, which
-// bounds the kernel (1.50x faster at DK = 64, the default there; at DK = 128 768 threads, opt-in).
-// 4: four threads per item (DK = 64 only: 640 threads; opt-in GLA_CUDA_KERNEL=ws-split4, not yet
-// run on a GPU).
+// items, DK = 64): two prep threads per item, each with 8 rows, exchanging their row totals through
+// shared memory; twice the prep warps for the same work, to cut the prep group's serial latency,
+// which bounds the kernel (1.50x faster at B4 T8192 H32 D64).
 // LOCAL: 0 the full pass; 1 pass 1 of a segment split, a separate instance so that the full pass's
 // code is exactly the one without it (a run-time flag cost the full pass 2-6%).
-// (Measured and dropped in session 4: pass 1 on deeper load rings, no change; A's level products
-// in the state group, 1-8% slower. Session 6: the qg/kg rescale in the state group, 4-8% slower
-// for kg alone, 25% for both (commit 66426c3). bench/results/cuda_forward.md.)
-// WG: the opt-in Hopper state group (GLA_CUDA_KERNEL=ws-wgmma, DK = 128, one thread per item, the
-// full pass): the three state products on wgmma (A operands from registers, qg / A / kg read from
-// shared memory once per warp group instead of once per warp, asynchronously), and the slots in
-// wgmma's swizzled layout. Off sm_90a the same instance runs the mma.sync code (kSwz false).
 // ACC: o += this pass's output as it is stored (the key split's second half, K in 129..256).
-template <int DK, typename E, int RS = 16, int LOCAL = 0, bool WG = false, bool ACC = false>
+template <int DK, typename E, int RS = 16, int LOCAL = 0, bool ACC = false>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
-  static_assert(RS == 16 || RS == 8 || RS == 4, "rows per item: 16, 8 or 4");
+  static_assert(RS == 16 || RS == 8, "rows per item: 16 or 8");
   constexpr int HALVES = 16 / RS;
   constexpr int BV = DK;
   constexpr int NP = 2 * DK * HALVES;  // prep threads
@@ -422,23 +225,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   constexpr int kWarpsPerItemRow = DK / 64;  // warps per (sub-chunk, half): DK/2 column pairs
   constexpr int DPS = ws_dpart_stride(HALVES);
   constexpr bool kFarTable = ws_far_factor_table(DK, HALVES);
-  constexpr bool kSwz = WG && kArchWgmma && DK == 128 && RS == 16 && LOCAL == 0;
-  // The swizzled slots need a 1024-byte-aligned base. The dynamic shared memory of a kernel without
-  // static shared memory starts on such a boundary; kSwz checks it (a trap, not a wrong answer). A
-  // run-time aligned base pointer instead cost the prep group ~280 B of spills.
-  extern __shared__ __align__(16) unsigned char smem_ws[];
-  extern __shared__ __align__(1024) unsigned char smem_wg[];  // the same memory, declared aligned
-  unsigned char* const smem = kSwz ? smem_wg : smem_ws;
-  if constexpr (kSwz) {
-    if (smem_addr(smem) & 1023u) __trap();
-  }
-  // Element offsets in qw / kw (rows t, columns k) and in A (rows t, columns s).
-  auto qoff = [](int r, int c, int pitch) { return kSwz ? sw128_off(r, c) : r * pitch + c; };
+  extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-#ifdef GLA_WS_PHASE_CLOCKS
-  long long phase_t = clock64();
-#endif
   // Natural grid (n * max_segments + m, head tile), or with a launch order (head tile, order
   // index): SegmentArgs::order.
   const bool ordered = sa.order_count > 0;
@@ -464,13 +253,11 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
   const bool per_head = p.gate_per_head != 0;
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;  // 4 only with per_head here
-  const WsSmem L = ws_smem_layout(DK, per_head, HALVES, kSwz);
+  const WsSmem L = ws_smem_layout(DK, per_head, HALVES);
 
-  // READY[s] / FREE[s] as mbarriers (GLA_WS_MBARRIER, above): READY counts the prep group's
-  // threads, FREE the state group's.
-  constexpr bool use_mbar = GLA_WS_MBARRIER != 0;
+  // READY[s] / FREE[s] as mbarriers: READY counts the prep group's threads, FREE the state group's.
   unsigned char* mbars = smem + L.mbar;  // READY[0], READY[1], FREE[0], FREE[1]
-  if (use_mbar && tid == 0) {
+  if (tid == 0) {
     mbar_init(mbars + 0, NP);
     mbar_init(mbars + 8, NP);
     mbar_init(mbars + 16, NS);
@@ -481,16 +268,13 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     uint32_t* a = reinterpret_cast<uint32_t*>(smem + L.a(s));
     for (int i = tid; i < kChunk * L.pa / 2; i += NT) a[i] = 0u;
   }
-  if constexpr (kSwz) fence_proxy_async_smem();  // wgmma reads the zeros through the async proxy
   __syncthreads();
 
   const size_t esz = 2;
   if (warp < NP / 32) {
     // =============================== prep group ===============================
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (NT == 512) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS512_PREP_REGS ";\n" ::);
-    if constexpr (NT == 768) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS768_PREP_REGS ";\n" ::);
-    if constexpr (NT == 640) asm volatile("setmaxnreg.dec.sync.aligned.u32 " GLA_WS640_PREP_REGS ";\n" ::);
+    if constexpr (NT == 512) asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::);
 #endif
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem + L.q);
     const uint16_t* ks = reinterpret_cast<const uint16_t*>(smem + L.k);
@@ -558,12 +342,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a(slot));
       float* dfac = reinterpret_cast<float*>(smem + L.dfac(slot));
       cp_async_wait_all();
-      GLA_PHASE_COUNT();
-      GLA_PHASE(0);
       named_sync(kBarPrep, NP);  // raw stage complete; the last chunk's tot/dpart readers are done
-      GLA_PHASE(1);
 
-      const bool prep_math = !(p.debug_skip & 64);  // profiling: 64 = hand-offs and loads only
       // ---- element-wise, read phase: raw q, k, g -> registers ----
       uint32_t qv[RS], kv[RS];
       float e0[RS], e1[RS];
@@ -646,11 +426,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
       };
       if constexpr (RS == 16) {
-        if (prep_math && full) reduce_partials();
+        if (full) reduce_partials();
       }
-      GLA_PHASE(2);
       named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
-      GLA_PHASE(3);
       if (c + 1 < c_end) issue_loads(c + 1);
       // The far off-diagonal blocks' factors 2^{Tot_1}, 2^{Tot_2}, 2^{Tot_1 + Tot_2} for this
       // thread's two columns, once per chunk (the A phase read them per k-step as exp2 of sums,
@@ -658,7 +436,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       // expressions that tot[] gets, so the factors are bitwise those of the per-k-step form. The
       // last chunk's A phase read the table before the barrier that preceded this chunk's loads.
       if constexpr (kFarTable) {
-        if (prep_math && full && hf == 0 && (sub == 1 || sub == 2)) {
+        if (full && hf == 0 && (sub == 1 || sub == 2)) {
           float* ofac = reinterpret_cast<float*>(smem + L.ofac);
           auto sub_total = [&](int s, int col) {
             if constexpr (HALVES == 1) {
@@ -683,26 +461,18 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           }
         }
       }
-      GLA_PHASE(4);
       // The slot was last used by chunk c-2: wait until the state group is done with it.
       if (c >= c_begin + 2) {
-        if (use_mbar) {
-          mbar_wait(mbars + 16 + 8 * slot, static_cast<uint32_t>(((c - 2 - c_begin) >> 1) & 1));
-        } else {
-          named_sync(kBarFree0 + slot, NT);
-        }
+        mbar_wait(mbars + 16 + 8 * slot, static_cast<uint32_t>(((c - 2 - c_begin) >> 1) & 1));
       }
 
-      GLA_PHASE(5);
       // ---- element-wise, write phase: qloc, kloc, level copies; reductions ----
-      float ht0[HALVES], ht1[HALVES];  // split items: the row totals of this item's threads
-      if (prep_math) {
+      {
         // qloc_t = q_t 2^{c_t} (c from the sub-chunk start), kloc_t = k_t 2^{Tot - c_t}. A second
         // half starts its query product at 2^{total of the first half}; a first half starts its key
         // product at 2^{total of the second half}. Exponents <= 0.
         float fq0 = 1.f, fq1 = 1.f, fk0 = 1.f, fk1 = 1.f;
         if constexpr (HALVES == 2) {
-          // (Kept apart from the general case below: this is the measured default at DK = 64.)
           const float h00 = htot[(sub * 2) * DK + k0], h01 = htot[(sub * 2) * DK + k0 + 1];
           const float h10 = htot[(sub * 2 + 1) * DK + k0], h11 = htot[(sub * 2 + 1) * DK + k0 + 1];
           if (hf == 1) {
@@ -714,75 +484,26 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             tot[sub * DK + k0] = h00 + h10;
             tot[sub * DK + k0 + 1] = h01 + h11;
           }
-        } else if constexpr (HALVES > 2) {
-#pragma unroll
-          for (int i = 0; i < HALVES; ++i) {
-            ht0[i] = htot[(sub * HALVES + i) * DK + k0];
-            ht1[i] = htot[(sub * HALVES + i) * DK + k0 + 1];
-          }
-          // The earlier threads' rows (query start), the later threads' rows (key start).
-          float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
-#pragma unroll
-          for (int i = 0; i < HALVES; ++i) {
-            if (i < hf) {
-              a0 += ht0[i];
-              a1 += ht1[i];
-            }
-            if (i > hf) {
-              b0 += ht0[i];
-              b1 += ht1[i];
-            }
-          }
-          if (hf > 0) {
-            fq0 = fast_exp2(a0);
-            fq1 = fast_exp2(a1);
-          }
-          if (hf < HALVES - 1) {
-            fk0 = fast_exp2(b0);
-            fk1 = fast_exp2(b1);
-          }
-          if (hf == 0) {
-            float t0 = ht0[0], t1 = ht1[0];
-#pragma unroll
-            for (int i = 1; i < HALVES; ++i) {
-              t0 += ht0[i];
-              t1 += ht1[i];
-            }
-            tot[sub * DK + k0] = t0;
-            tot[sub * DK + k0 + 1] = t1;
-          }
         }
-        // ws-wgmma: rows sub * 16 + r of the swizzled qw / kw (row0 = 0 there), by address.
-        const uint32_t swq = kSwz ? smem_addr(qw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
-        const uint32_t swk = kSwz ? smem_addr(kw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
-        const uint32_t swc = static_cast<uint32_t>((k0 & 63) * 2);
         float f0 = fq0, f1 = fq1;
 #pragma unroll
         for (int r = 0; r < RS && full; ++r) {
           f0 *= e0[r];
           f1 *= e1[r];
           const float2 q = X::to_float2(qv[r]);
-          if constexpr (kSwz) {
-            sts_u32(sw128_row_addr(swq, swc, r), X::pack(q.x * f0, q.y * f1));
-          } else {
-            *reinterpret_cast<uint32_t*>(qw + qoff(sub * 16 + row0 + r, k0, L.pq)) = X::pack(q.x * f0, q.y * f1);
-          }
+          *reinterpret_cast<uint32_t*>(qw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
         }
         f0 = fk0;
         f1 = fk1;
 #pragma unroll
         for (int r = RS - 1; r >= 0; --r) {
           const float2 k = X::to_float2(kv[r]);
-          if constexpr (kSwz) {
-            sts_u32(sw128_row_addr(swk, swc, r), X::pack(k.x * f0, k.y * f1));
-          } else {
-            *reinterpret_cast<uint32_t*>(kw + qoff(sub * 16 + row0 + r, k0, L.pq)) = X::pack(k.x * f0, k.y * f1);
-          }
+          *reinterpret_cast<uint32_t*>(kw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
           f0 *= e0[r];
           f1 *= e1[r];
         }
       }
-      if (prep_math && full) {
+      if (full) {
         if constexpr (HALVES == 1) {
           const int at = sub * 16 * L.pq + k0;
           write_level_block<8, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, qv, kv, e0, e1);
@@ -790,23 +511,15 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           write_level_block<2, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
         } else {
           const int at = (sub * 16 + row0) * L.pq + k0;
-          if constexpr (HALVES == 2) {
-            write_level_rows_h8<X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, hf == 0, qv, kv, e0, e1);
-            write_level_block<4, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, qv, kv, e0, e1);
-            write_level_block<2, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
-          } else {
-          write_level_split<8, RS, HALVES, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, hf, ht0, ht1, qv, kv, e0, e1);
-          write_level_split<4, RS, HALVES, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, hf, ht0, ht1, qv, kv, e0, e1);
-          write_level_split<2, RS, HALVES, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, hf, ht0, ht1, qv, kv, e0, e1);
-          }
+          write_level_rows_h8<X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, hf == 0, qv, kv, e0, e1);
+          write_level_block<4, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, qv, kv, e0, e1);
+          write_level_block<2, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
         }
       }
       if constexpr (RS != 16) {
-        if (prep_math && full) reduce_partials();
+        if (full) reduce_partials();
       }
-      GLA_PHASE(6);
       named_sync(kBarPrep, NP);
-      GLA_PHASE(7);
 
       // ---- A: off-diagonal blocks, the three level products, diagonal and h = 1 entries ----
       {
@@ -816,17 +529,17 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         // blocks and two levels, or six levels. (Round-robin gave two of 8 warps 4 units.)
         auto offdiag = [&](int task) {
           // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
-          offdiag_block<DK, X, kFarTable, kSwz>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
+          offdiag_block<DK, X, kFarTable>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
                                           (0x010210 >> (4 * task)) & 15, lane,
                                           reinterpret_cast<const float*>(smem + L.ofac));
         };
         auto level = [&](int task) {
-          level_block_at<DK, X, kSwz>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
+          level_block_at<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
                                 task % 3, lane);
         };
         constexpr int NW = NP / 32;
         static_assert(NW == 4 || NW == 8 || NW == 16, "A task split");
-        if (prep_math && full) {
+        if (full) {
           if constexpr (NW == 16) {
             if (warp < 6) {
               offdiag(warp);
@@ -875,17 +588,14 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             sd += dpart[(wq + w) * DPS + lr];
             sp += dpart[(wq + w) * DPS + RS + (lr >> 1)];
           }
-          As[qoff(t, t, L.pa)] = X::from_float(sd);
-          if (r & 1) As[qoff(t, t - 1, L.pa)] = X::from_float(sp);
+          As[t * L.pa + t] = X::from_float(sd);
+          if (r & 1) As[t * L.pa + t - 1] = X::from_float(sp);
         }
       }
-      GLA_PHASE(8);
       named_sync(kBarPrep, NP);  // A done; qloc/kloc no longer read as such
-      GLA_PHASE(9);
-      if (GLA_WS_TEST_EARLY_RELEASE == 2 && use_mbar) mbar_arrive(mbars + 8 * slot);
 
       // ---- qg = qloc 2^{Pre}, kg = kloc 2^{Post}; the chunk's decay 2^{b_last} ----
-      if (prep_math) {
+      {
         float pre0 = 0.f, pre1 = 0.f, post0 = 0.f, post1 = 0.f;
 #pragma unroll
         for (int l = 0; l < 4; ++l) {
@@ -902,53 +612,31 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
         const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
         const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
-        const uint32_t swq = kSwz ? smem_addr(qw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
-        const uint32_t swk = kSwz ? smem_addr(kw) + (k0 >> 6) * 8192 + sub * 2048 : 0u;
-        const uint32_t swc = static_cast<uint32_t>((k0 & 63) * 2);
-        // Scales row r of this item's column pair in a slot tile in place (qw or kw).
-        auto scale_row = [&](uint16_t* tile, uint32_t sw, int r, int t, float f0, float f1) {
-          if constexpr (kSwz) {
-            const uint32_t a = sw128_row_addr(sw, swc, r);
-            const float2 x = X::to_float2(lds_u32(a));
-            sts_u32(a, X::pack(x.x * f0, x.y * f1));
-          } else {
-            uint32_t* xp = reinterpret_cast<uint32_t*>(tile + qoff(t, k0, L.pq));
-            const float2 x = X::to_float2(*xp);
-            *xp = X::pack(x.x * f0, x.y * f1);
-          }
+        // Scales row t of this item's column pair in a slot tile in place (qw or kw).
+        auto scale_row = [&](uint16_t* tile, int t, float f0, float f1) {
+          uint32_t* xp = reinterpret_cast<uint32_t*>(tile + t * L.pq + k0);
+          const float2 x = X::to_float2(*xp);
+          *xp = X::pack(x.x * f0, x.y * f1);
         };
 #pragma unroll
         for (int r = 0; r < RS; ++r) {
           const int t = sub * 16 + row0 + r;
-          if (full && sub > 0) scale_row(qw, swq, r, t, fq0, fq1);
-          if (sub < 3) scale_row(kw, swk, r, t, fk0, fk1);
+          if (full && sub > 0) scale_row(qw, t, fq0, fq1);
+          if (sub < 3) scale_row(kw, t, fk0, fk1);
         }
       }
-      // wgmma (the ws-wgmma state group) reads the slot through the async proxy.
-      if constexpr (kSwz) fence_proxy_async_smem();
       // Publish the slot: each thread's arrival releases its own writes to the state group's wait
-      // (with named barriers, bar.arrive carries the same release; PTX ISA, "barrier").
-      if (use_mbar) {
-        if (GLA_WS_TEST_EARLY_RELEASE != 2) mbar_arrive(mbars + 8 * slot);
-      } else {
-        named_arrive(kBarReady0 + slot, NT);
-      }
-      GLA_PHASE(10);
+      // (PTX ISA, mbarrier).
+      mbar_arrive(mbars + 8 * slot);
     }
     if (!full && vt == 0 && tid < DK / 2) {
       sa.seg_decay[seg_index * DK + k0] = dsum0;
       sa.seg_decay[seg_index * DK + k0 + 1] = dsum1;
     }
-    // Balance the FREE barriers of the last (up to) two chunks, which the loop did not wait for.
-    if (!use_mbar) {
-      for (int64_t c = gla_max64(c_begin, c_end - 2); c < c_end; ++c) named_sync(kBarFree0 + static_cast<int>(c & 1), NT);
-    }
   } else {
     // =============================== state group ===============================
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (NT == 512) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS512_STATE_REGS ";\n" ::);
-    if constexpr (NT == 768) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS768_STATE_REGS ";\n" ::);
-    if constexpr (NT == 640) asm volatile("setmaxnreg.inc.sync.aligned.u32 " GLA_WS640_STATE_REGS ";\n" ::);
+    if constexpr (NT == 512) asm volatile("setmaxnreg.inc.sync.aligned.u32 144;\n" ::);
 #endif
     const int stid = tid - NP, swarp = warp - NP / 32;
     const int vrow = swarp * 16;
@@ -987,51 +675,23 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       const float* dfac = reinterpret_cast<const float*>(smem + L.dfac(slot));
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
       cp_async_wait_all();
-      GLA_PHASE_COUNT();
-      GLA_PHASE(0);
       named_sync(kBarState, NS);  // v of chunk c landed; the stage refilled next was last read at c-1
-      GLA_PHASE(1);
       if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
 
       uint32_t vf[4][4];
       load_v_fragments(vf, vs, L.pv, vrow, lane);
-      GLA_PHASE(2);
       // qg, kg, A, decay of chunk c are published
-      if (use_mbar) {
-        mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
-      } else {
-        named_sync(kBarReady0 + slot, NT);
-      }
-      GLA_PHASE(3);
+      mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
       float acc[8][4] = {};
-      const bool state_math = !(p.debug_skip & 32);  // profiling: 32 = loads, hand-offs, stores only
-      if (GLA_WS_TEST_EARLY_RELEASE == 1 && use_mbar) mbar_arrive(mbars + 16 + 8 * slot);
-      if constexpr (GLA_WS_TEST_STATE_DELAY > 0) {
-        const long long t0 = clock64();
-        while (clock64() - t0 < GLA_WS_TEST_STATE_DELAY) {
-        }
-      }
-      if (state_math) {
-        if constexpr (kSwz) {
-          wg_state_products<DK, X>(acc, S, vf, smem_addr(qw), smem_addr(As), smem_addr(kw), dfac, vs, L.pv, vrow, lane,
-                                   p.scale);
-        } else {
-          if (full) o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
-          state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
-        }
-      }
+      if (full) o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
+      state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
       // Done with the slot.
-      if (use_mbar) {
-        if (GLA_WS_TEST_EARLY_RELEASE != 1) mbar_arrive(mbars + 16 + 8 * slot);
-      } else {
-        named_arrive(kBarFree0 + slot, NT);
-      }
-      GLA_PHASE(4);
+      mbar_arrive(mbars + 16 + 8 * slot);
 
       if (!full) continue;
       // o^T -> this warp's own columns of the v stage (only this warp read them) -> global.
       const float sc = p.scale;
-      if constexpr (!kSwz) stage_o_tile<X>(acc, vs, L.pv, vrow, lane, sc);  // (ws-wgmma: staged already)
+      stage_o_tile<X>(acc, vs, L.pv, vrow, lane, sc);
       __syncwarp();
       const int64_t t0 = seq.bos + c * kChunk;
       char* ob = static_cast<char*>(p.o) + (seq.batch * p.o_stride[0] + t0 * p.o_stride[1] + h * p.o_stride[2] + v0 + vrow) * esz;

@@ -32,26 +32,16 @@ struct SegmentArgs {
   int32_t order[kMaxBlockOrder];
 };
 
-// Element offset of (row r, column c) of a 16-bit tile in the 128-byte-swizzled layout: columns in
-// blocks of 64 (128-byte rows), blocks 64 rows x 128 B = 8 KB apart; inside a block the 16-byte
-// chunk index of row r is XORed with r % 8 (the tile base must be 1024-byte aligned). Rows of 8
-// consecutive columns starting at a multiple of 8 stay contiguous (ldmatrix/stmatrix rows).
-GLA_HD inline int sw128_off(int r, int c) {
-  const int b = r * 128 + (c & 63) * 2;
-  return ((c >> 6) * 8192 + (b ^ (((b >> 7) & 7) << 4))) >> 1;
-}
-
 // Shared-memory layout (bytes), computed identically on host and device.
 struct ChunkSmem {
   int pq, pv, pa, pg;  // pitches in elements
   int q, k, v, g;      // offsets inside one stage
   int stage_bytes;
   int qw, kw, a, tot, dfac, dsum;  // offsets after the two stages
-  int extra0, extra1, dpart;       // MMA-diagonal variant: level copies 2/3, diagonal partials
+  int extra0, extra1, dpart;       // level copies 2/3 where they need their own buffer, diagonal partials
   int total;
 };
-GLA_HD inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool per_head,
-                                                       bool mma_diag = false) {
+GLA_HD inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool per_head) {
   ChunkSmem s{};
   s.pq = dk + 8;
   s.pv = bv + 8;
@@ -71,17 +61,15 @@ GLA_HD inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool p
   s.dfac = s.tot + 4 * dk * 4;
   s.dsum = s.dfac + dk * 4;
   s.total = s.dsum + dk * 4;
-  s.extra0 = s.extra1 = s.dpart = -1;
-  if (mma_diag) {
-    // Level copies 0 and 1 go over the stage's raw q and k, 2 (and 3 for an fp32 gate) over its
-    // raw g; the rest need their own buffers.
-    const int copy_bytes = kChunk * s.pq * 2;
-    const int extras = per_head ? 2 : (gate_bytes == 2 ? 1 : 0);
-    if (extras >= 1) { s.extra0 = s.total; s.total += copy_bytes; }
-    if (extras >= 2) { s.extra1 = s.total; s.total += copy_bytes; }
-    s.dpart = s.total;
-    s.total += (bv / 16) * 16 * 4;
-  }
+  s.extra0 = s.extra1 = -1;
+  // Level copies 0 and 1 go over the stage's raw q and k, 2 (and 3 for an fp32 gate) over its
+  // raw g; the rest need their own buffers.
+  const int copy_bytes = kChunk * s.pq * 2;
+  const int extras = per_head ? 2 : (gate_bytes == 2 ? 1 : 0);
+  if (extras >= 1) { s.extra0 = s.total; s.total += copy_bytes; }
+  if (extras >= 2) { s.extra1 = s.total; s.total += copy_bytes; }
+  s.dpart = s.total;
+  s.total += (bv / 16) * 16 * 4;
   return s;
 }
 

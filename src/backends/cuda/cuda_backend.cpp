@@ -4,8 +4,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <tuple>
 #include <mutex>
@@ -147,20 +145,6 @@ cuda::ForwardParams make_params(const gla_problem& p) {
     for (int i = 0; i < 3; ++i) vec = vec && p.g.strides[i] % 8 == 0;
   }
   f.vector_loads = vec ? 1 : 0;
-  // GLA_CUDA_KERNEL=mma-diag | plain | ws | ws-split | ws-split4 | ws-wgmma: steer the planner's kernel choice (A/B
-  // timing, fallback);
-  // unset or "auto": the fastest kernel that serves the problem.
-  static const int variant = [] {
-    const char* v = std::getenv("GLA_CUDA_KERNEL");
-    if (v && std::strcmp(v, "mma-diag") == 0) return 1;
-    if (v && std::strcmp(v, "plain") == 0) return 2;
-    if (v && std::strcmp(v, "ws-split") == 0) return 3;
-    if (v && std::strcmp(v, "ws") == 0) return 4;
-    if (v && std::strcmp(v, "ws-split4") == 0) return 5;
-    if (v && std::strcmp(v, "ws-wgmma") == 0) return 6;
-    return 0;
-  }();
-  f.kernel_variant = variant;
   return f;
 }
 
@@ -235,7 +219,7 @@ cuda::ForwardPlan cached_plan(const cuda::ForwardParams& f, const gla_problem& p
     hash *= 1099511628211ull;
   }
   const int sm_count = device_info(p.device_index).sm_count;
-  const Key key{p.device_index * 8 + f.kernel_variant, f.N, f.H, f.K, f.V, f.T, f.dtype, f.gate_dtype, f.gate_per_head, hash};
+  const Key key{p.device_index, f.N, f.H, f.K, f.V, f.T, f.dtype, f.gate_dtype, f.gate_per_head, hash};
   static std::mutex mutex;
   static std::map<Key, cuda::ForwardPlan> cache;
   {
@@ -345,15 +329,8 @@ class CudaBackend final : public Backend {
     }
     const cuda::ForwardParams f = make_params(p);
     const cuda::ForwardPlan plan = cached_plan(f, p);
-    if (!plan.use_chunk_kernel) {
-      return "recurrent kernel (token loop in IEEE fp32 FMA: fp32 inputs, or K > 256)";
-    }
-    std::string s = plan.kernel == 6   ? "warp-specialised chunk kernel with the wgmma state group (prep and state warp groups, tensor cores; opt-in)"
-                    : plan.kernel == 5 ? "warp-specialised chunk kernel with element-wise items split four ways (prep and state warp groups, tensor cores)"
-                    : plan.kernel == 3 ? "warp-specialised chunk kernel with element-wise items split two ways (prep and state warp groups, tensor cores)"
-                    : plan.kernel == 2 ? "warp-specialised chunk kernel (prep and state warp groups, tensor cores)"
-                    : plan.kernel == 1 ? "chunk kernel with tensor-core diagonal blocks"
-                                       : "chunk kernel with element-wise diagonal blocks";
+    std::string s = cuda::kernel_name(plan.kernel).description;
+    if (!cuda::is_chunk(plan.kernel)) return s;
     s += ", K padded to " + std::to_string(plan.head_dim_k) + ", " + std::to_string(plan.value_tiles) +
          " value tile(s) of " + std::to_string(plan.value_tile);
     if (plan.key_split) {

@@ -175,8 +175,8 @@ cudaError_t launch_key_split(const ForwardParams& p, const ForwardPlan& plan, vo
 
 cudaError_t launch_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   if (p.N == 0 || p.H == 0) return cudaSuccess;
-  if (plan.use_chunk_kernel && plan.key_split) return detail::launch_key_split(p, plan, workspace, stream);
-  if (plan.use_chunk_kernel) return launch_chunk_forward(p, plan, workspace, stream);
+  if (is_chunk(plan.kernel) && plan.key_split) return detail::launch_key_split(p, plan, workspace, stream);
+  if (is_chunk(plan.kernel)) return launch_chunk_forward(p, plan, workspace, stream);
   return launch_recurrent_forward(p, 0, stream);
 }
 

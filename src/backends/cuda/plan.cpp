@@ -52,9 +52,21 @@ std::vector<BlockItem> blocks_longest_first(const std::vector<int64_t>& chunks, 
 
 }  // namespace
 
+const KernelName& kernel_name(ForwardKernel kernel) {
+  static const KernelName names[] = {
+      {"recurrent", "recurrent kernel (token loop in IEEE fp32 FMA: fp32 inputs, or K > 256)"},
+      {"chunk-mmadiag", "chunk kernel with tensor-core diagonal blocks"},
+      {"chunk-ws", "warp-specialised chunk kernel (prep and state warp groups, tensor cores)"},
+      {"chunk-ws-split",
+       "warp-specialised chunk kernel with element-wise items split two ways (prep and state warp groups, tensor "
+       "cores)"},
+  };
+  return names[static_cast<int>(kernel)];
+}
+
 void order_blocks(ForwardPlan& plan, const int64_t* seq_offsets, int64_t N) {
   plan.block_order_count = 0;
-  if (!plan.use_chunk_kernel || plan.kernel < 2 || N < 2) return;
+  if (!is_warp_specialised(plan.kernel) || N < 2) return;
   std::vector<int64_t> chunks(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n) chunks[n] = (seq_offsets[n + 1] - seq_offsets[n] + 63) / 64;
   const std::vector<BlockItem> items = blocks_longest_first(chunks, plan.segment_chunks);
@@ -73,7 +85,7 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
     ForwardParams half = p;
     half.K = 128;
     ForwardPlan plan = plan_forward(half, seq_offsets, sm_count);
-    plan.key_split = plan.kernel == 2 ? 2 : 1;
+    plan.key_split = plan.kernel == ForwardKernel::kChunkWs ? 2 : 1;
     if (plan.key_split == 1) {
       plan.partial_offset = (plan.workspace_bytes + 255) / 256 * 256;
       plan.workspace_bytes = plan.partial_offset + size_t(p.B) * p.T * p.H * p.V * 2;
@@ -82,32 +94,23 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   }
   ForwardPlan plan;
   const bool tensor_core = (p.dtype == kBF16 || p.dtype == kF16) && p.K <= 128 && p.K >= 1 && p.V >= 1;
-  if (!tensor_core) return plan;
-  plan.use_chunk_kernel = 1;
+  if (!tensor_core) return plan;  // the recurrent kernel
   plan.head_dim_k = p.K <= 64 ? 64 : 128;
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
   // Kernel choice: the warp-specialised kernel needs cp.async rows and a 16-bit per-key gate or a
-  // per-head gate (an fp32 per-key gate does not fit its shared memory); the others take anything.
+  // per-head gate (an fp32 per-key gate does not fit its shared memory); the single-role kernel
+  // takes anything. At K <= 64 the warp-specialised kernel runs two prep threads per element-wise
+  // item (1.50x faster than one at B4 T8192 H32 D64 on the H200, 0.888 -> 0.586 ms); at K = 128
+  // that needs 768 threads and was slower (0.639 against 0.578 ms), so one thread per item there.
   const bool ws_ok = p.vector_loads && (p.gate_per_head || gate_bytes == 2);
-  // Variants: 0 auto, 1 mma-diag, 2 plain, 3 ws-split, 4 ws, 5 ws-split4, 6 ws-wgmma (see
-  // ForwardParams::kernel_variant).
-  const int v = p.kernel_variant;
-  plan.kernel = v == 2 ? 0 : ((v == 0 || v >= 3) && ws_ok ? 2 : 1);
-  // Split element-wise items at K <= 64: two threads per item (kernel 3) are the fastest there
-  // (B4 T8192 H32 D64, session 4: 0.362 ms against 0.407 with four per item and, before A's index
-  // arithmetic was trimmed, 0.557 against 0.888 with one; bench/results/cuda_forward.md). At K = 128
-  // two per item need 768 threads and are slower (0.565 against 0.444 ms; opt-in ws-split).
-  if (plan.kernel == 2 && plan.head_dim_k == 64 && (v == 0 || v == 3)) plan.kernel = 3;
-  if (plan.kernel == 2 && v == 3) plan.kernel = 3;
-  if (plan.kernel == 2 && plan.head_dim_k == 64 && v == 5) plan.kernel = 5;
-  // ws-wgmma (opt-in, not yet measured): the wgmma state group at K = 128; elsewhere as ws.
-  if (plan.kernel == 2 && plan.head_dim_k == 128 && v == 6) plan.kernel = 6;
-  plan.value_tile = plan.kernel != 0 ? plan.head_dim_k : (plan.head_dim_k == 128 && p.V > 64 ? 128 : 64);
+  plan.kernel = !ws_ok ? ForwardKernel::kChunk
+                : plan.head_dim_k == 64 ? ForwardKernel::kChunkWsSplit
+                                        : ForwardKernel::kChunkWs;
+  plan.value_tile = plan.head_dim_k;
   plan.value_tiles = static_cast<int32_t>((p.V + plan.value_tile - 1) / plan.value_tile);
   const detail::ChunkSmem L =
-      detail::chunk_smem_layout(plan.head_dim_k, plan.value_tile, gate_bytes, p.gate_per_head != 0,
-                                plan.kernel == 1);
-  const int per_sm = plan.kernel < 2 && L.total * 2 + 2048 <= 228 * 1024 ? 2 : 1;
+      detail::chunk_smem_layout(plan.head_dim_k, plan.value_tile, gate_bytes, p.gate_per_head != 0);
+  const int per_sm = plan.kernel == ForwardKernel::kChunk && L.total * 2 + 2048 <= 228 * 1024 ? 2 : 1;
   const int slots = std::max(1, sm_count) * per_sm;
 
   std::vector<int64_t> chunks(static_cast<size_t>(p.N));
@@ -132,7 +135,7 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
       // The warp-specialised kernels launch the full pass longest first when the blocks fit the
       // order table (order_blocks): model that order, heads innermost.
       const std::vector<BlockItem> ordered = blocks_longest_first(chunks, seg);
-      const bool use_order = plan.kernel >= 2 && p.N > 1 && ordered.size() <= size_t(detail::kMaxBlockOrder);
+      const bool use_order = is_warp_specialised(plan.kernel) && p.N > 1 && ordered.size() <= size_t(detail::kMaxBlockOrder);
       if (use_order) {
         for (const BlockItem& b : ordered) pass2.insert(pass2.end(), size_t(copies), b.cost);
       }
