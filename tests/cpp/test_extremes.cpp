@@ -52,13 +52,11 @@ TEST(HardResetGates, ReferenceStagePipelineIsFinite) { expect_matches_reference(
 // into several files; the fix (the raw gate clamped at -104 there, in all three code paths) lands
 // after that split and removes these two skips.
 TEST(HardResetGates, CpuMatchesReference) {
-  GTEST_SKIP() << "pending cpu -inf fix (SPEC.md §3.8: clamp g at -104 in cumsum_gate_rows)";
   if (!backend_available("cpu")) GTEST_SKIP() << "cpu backend not built";
   expect_matches_reference("cpu", false);
 }
 
 TEST(HardResetGates, CpuStagePipelineMatchesReference) {
-  GTEST_SKIP() << "pending cpu -inf fix (SPEC.md §3.8: clamp g at -104 in cumsum_gate_rows)";
   if (!backend_available("cpu")) GTEST_SKIP() << "cpu backend not built";
   expect_matches_reference("cpu", true);
 }

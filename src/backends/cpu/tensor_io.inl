@@ -256,6 +256,10 @@ inline void store_tiles(const gla_tensor& x, int64_t batch, int64_t t0, int64_t 
 // run: K doubles.
 inline void cumsum_gate_rows(bool per_head, int64_t L, int64_t K, float* b, float* blo, double* run) {
   constexpr double kRcpLn2d = 1.4426950408889634;
+  // SPEC.md §3.8: g = -inf (a hard reset) enters the sum at -104, where e^g is already 0 in fp32
+  // (below the smallest subnormal), so no span b_t - b_s is -inf - (-inf). NaN stays NaN.
+  constexpr float kGateFloor = -104.0f;
+  for (int64_t i = 0; i < L * K; i += per_head ? K : 1) b[i] = b[i] < kGateFloor ? kGateFloor : b[i];
   if (per_head) {
     double acc = 0.0;
     for (int64_t r = 0; r < L; ++r) {
