@@ -48,9 +48,8 @@ void expect_matches_reference(const std::string& backend, bool stage_pipeline) {
 
 TEST(HardResetGates, ReferenceStagePipelineIsFinite) { expect_matches_reference("reference", true); }
 
-// The cpu kernels form the cumulative gate in cumsum_gate_rows (kernels.inl), which is being split
-// into several files; the fix (the raw gate clamped at -104 there, in all three code paths) lands
-// after that split and removes these two skips.
+// The cpu kernels form the cumulative gate in cumsum_gate_rows (tensor_io.inl), which floors the raw
+// gate at -104 for the whole operations and the cumsum stage alike.
 TEST(HardResetGates, CpuMatchesReference) {
   if (!backend_available("cpu")) GTEST_SKIP() << "cpu backend not built";
   expect_matches_reference("cpu", false);
