@@ -2,8 +2,8 @@
 
 #include <optional>
 
-#include "core/checked.hpp"
-#include "core/tensor.hpp"
+#include "gla/checked.hpp"
+#include "gla/dtype.hpp"
 
 namespace gla::cli {
 

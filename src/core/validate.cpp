@@ -7,7 +7,7 @@
 #include <sstream>
 #include <string>
 
-#include "core/checked.hpp"
+#include "gla/checked.hpp"
 
 namespace gla {
 

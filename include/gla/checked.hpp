@@ -1,7 +1,7 @@
 // Overflow-checked int64 arithmetic for sizes, strides and offsets (SPEC.md §3.9). Validation, the
 // workspace-size query and the command line size everything through these before anything is
-// computed, so a problem whose addressing would wrap is rejected instead of run. Header-only so the
-// command line and the fuzz targets share it.
+// computed, so a problem whose addressing would wrap is rejected instead of run. Header-only and public
+// so the command line and the fuzz targets share it.
 #pragma once
 
 #include <cstdint>
