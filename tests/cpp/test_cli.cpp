@@ -75,7 +75,7 @@ TEST(Cli, FailedAllocationIsAnError) {
 TEST(Cli, ValidArgumentsStillRun) {
   const Result r = run_cli("run --B 1 --T 70 --H 1 --K 8 --V 8 --cu-seqlens 0,30,70 --repeat 1");
   EXPECT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("problem: B=1 T=70 H=1 K=8 V=8 N=2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("problem: chunk B=1 T=70 H=1 K=8 V=8 N=2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("PASS"), std::string::npos) << r.output;
 }
 

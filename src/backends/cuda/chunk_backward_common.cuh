@@ -43,22 +43,8 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
 // Tokens [bos, bos + len) of batch row `batch`.
-struct Span {
-  int64_t batch, bos, len;
-};
-
-__device__ __forceinline__ Span sequence(const BackwardParams& p, int64_t n) {
-  if (!p.varlen) return {n, 0, p.T};
-  int64_t a, b;
-  if (p.cu_seqlens_int64) {
-    a = static_cast<const int64_t*>(p.cu_seqlens)[n];
-    b = static_cast<const int64_t*>(p.cu_seqlens)[n + 1];
-  } else {
-    a = static_cast<const int32_t*>(p.cu_seqlens)[n];
-    b = static_cast<const int32_t*>(p.cu_seqlens)[n + 1];
-  }
-  return {0, a, b - a};
-}
+using Span = detail::SeqSpan;
+__device__ __forceinline__ Span sequence(const BackwardParams& p, int64_t n) { return detail::sequence_span(p, n); }
 
 // The chunk at global index `chunk`: its sequence, the chunk's first token and valid length.
 struct ChunkRef {

@@ -120,7 +120,9 @@ __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wai
 struct SeqSpan {
   int64_t batch, bos, len;
 };
-__device__ __forceinline__ SeqSpan sequence_span(const ForwardParams& p, int64_t n) {
+// Params: any parameter struct with varlen, cu_seqlens, cu_seqlens_int64 and T (forward, backward).
+template <typename Params>
+__device__ __forceinline__ SeqSpan sequence_span(const Params& p, int64_t n) {
   if (!p.varlen) return {n, 0, p.T};
   int64_t a, b;
   if (p.cu_seqlens_int64) {
