@@ -237,7 +237,7 @@ TEST(CudaForward, Deterministic) {
   EXPECT_EQ(a.out.ht.bytes, b.out.ht.bytes);
 }
 
-TEST(CudaForward, DeclinesBackwardAndStridedLastDim) {
+TEST(CudaForward, DeclinesStridedLastDim) {
   SKIP_WITHOUT_CUDA();
   const char* text = nullptr;
   Case c = base_case(GLA_DTYPE_BF16, 1, 64, 1, 64);
