@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <vector>
 
 #include "test_support.hpp"
 
@@ -63,5 +64,22 @@ struct DeviceTensor {
     ASSERT_EQ(cudaMemcpy(h.t.data, ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   }
 };
+
+// A K = V = D case of the given dtype.
+inline Case base_case(int32_t dtype, int64_t B, int64_t T, int64_t H, int64_t D) {
+  Case c;
+  c.B = B; c.T = T; c.H = H; c.K = D; c.V = D; c.dtype = dtype;
+  return c;
+}
+
+// Strong decay (n = 0.1, gates down to -20) at D = 128 and randn inputs at D = 64, T = 700.
+inline std::vector<Case> decay_and_randn_cases(int32_t dtype) {
+  Case s = base_case(dtype, 1, 700, 2, 128);
+  s.normaliser = 0.1;
+  s.gate_floor = -20;
+  Case r = base_case(dtype, 1, 700, 2, 64);
+  r.randn_inputs = true;
+  return {s, r};
+}
 
 }  // namespace gla::test

@@ -111,12 +111,6 @@ void check_case(const Case& c, const Absent& absent = {}) {
   EXPECT_LT(err, 5e-3) << report;
 }
 
-Case base_case(int32_t dtype, int64_t B, int64_t T, int64_t H, int64_t D) {
-  Case c;
-  c.B = B; c.T = T; c.H = H; c.K = D; c.V = D; c.dtype = dtype;
-  return c;
-}
-
 class CudaBackwardGrid : public ::testing::TestWithParam<int32_t> {};
 
 TEST_P(CudaBackwardGrid, SpecGridMatchesReference) {
@@ -138,13 +132,7 @@ TEST(CudaBackward, FullLengthShapesAndDecays) {
       c.normaliser = n;
       check_case(c);
     }
-    Case s = base_case(dt, 1, 700, 2, 128);
-    s.normaliser = 0.1;
-    s.gate_floor = -20;
-    check_case(s);
-    Case r = base_case(dt, 1, 700, 2, 64);
-    r.randn_inputs = true;
-    check_case(r);
+    for (const Case& c : decay_and_randn_cases(dt)) check_case(c);
   }
 }
 

@@ -93,12 +93,6 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForwardGrid,
                          ::testing::Values(GLA_DTYPE_BF16, GLA_DTYPE_F16, GLA_DTYPE_F32),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
-Case base_case(int32_t dtype, int64_t B, int64_t T, int64_t H, int64_t D) {
-  Case c;
-  c.B = B; c.T = T; c.H = H; c.K = D; c.V = D; c.dtype = dtype;
-  return c;
-}
-
 TEST(CudaForward, FullLengthShapes) {
   SKIP_WITHOUT_CUDA();
   for (int32_t dt : {GLA_DTYPE_BF16, GLA_DTYPE_F16}) {
@@ -115,13 +109,7 @@ TEST(CudaForward, FullLengthShapes) {
 TEST(CudaForward, StrongDecayAndRandn) {
   SKIP_WITHOUT_CUDA();
   for (int32_t dt : {GLA_DTYPE_BF16, GLA_DTYPE_F16}) {
-    Case c = base_case(dt, 1, 700, 2, 128);
-    c.normaliser = 0.1;
-    c.gate_floor = -20;
-    check_case(c);
-    Case r = base_case(dt, 1, 700, 2, 64);
-    r.randn_inputs = true;
-    check_case(r);
+    for (const Case& c : decay_and_randn_cases(dt)) check_case(c);
   }
 }
 
