@@ -104,6 +104,19 @@ cudaMemPool_t workspace_pool(int device) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Whether every present tensor's rows can be moved in 16-byte pieces: data 16-byte aligned and the
+// b, t, h strides multiples of 8 elements (the widths are checked by the caller).
+bool rows_in_16_byte_pieces(std::initializer_list<const gla_tensor*> tensors) {
+  for (const gla_tensor* t : tensors) {
+    if (!present(*t)) continue;
+    if (!aligned16(t->data)) return false;
+    for (int i = 0; i < 3; ++i) {
+      if (t->strides[i] % 8 != 0) return false;
+    }
+  }
+  return true;
+}
+
 cuda::ForwardParams make_params(const gla_problem& p) {
   cuda::ForwardParams f{};
   f.q = p.q.data;
@@ -135,15 +148,8 @@ cuda::ForwardParams make_params(const gla_problem& p) {
   f.gate_dtype = element_type(p.gate_dtype);
   f.gate_per_head = p.gate_per_head;
   // cp.async moves 16-byte pieces: rows must start 16-byte aligned and K, V be multiples of 8.
-  bool vec = p.K % 8 == 0 && p.V % 8 == 0;
-  for (const gla_tensor* t : {&p.q, &p.k, &p.v, &p.o}) {
-    vec = vec && aligned16(t->data);
-    for (int i = 0; i < 3; ++i) vec = vec && t->strides[i] % 8 == 0;
-  }
-  if (!p.gate_per_head) {
-    vec = vec && aligned16(p.g.data);
-    for (int i = 0; i < 3; ++i) vec = vec && p.g.strides[i] % 8 == 0;
-  }
+  const bool vec = p.K % 8 == 0 && p.V % 8 == 0 && rows_in_16_byte_pieces({&p.q, &p.k, &p.v, &p.o}) &&
+                   (p.gate_per_head || rows_in_16_byte_pieces({&p.g}));
   f.vector_loads = vec ? 1 : 0;
   return f;
 }
@@ -196,16 +202,8 @@ cuda::BackwardParams make_backward_params(const gla_problem& p) {
   b.gate_dtype = element_type(p.gate_dtype);
   b.dg_dtype = b.dg ? element_type(p.dg.dtype) : cuda::kF32;
   b.gate_per_head = p.gate_per_head;
-  bool vec = p.K % 8 == 0 && p.V % 8 == 0;
-  for (const gla_tensor* t : {&p.q, &p.k, &p.v, &p.do_}) {
-    if (!present(*t)) continue;
-    vec = vec && aligned16(t->data);
-    for (int i = 0; i < 3; ++i) vec = vec && t->strides[i] % 8 == 0;
-  }
-  b.vector_loads = vec ? 1 : 0;
-  bool gate_vec = !p.gate_per_head && p.K % 8 == 0 && aligned16(p.g.data);
-  for (int i = 0; i < 3; ++i) gate_vec = gate_vec && p.g.strides[i] % 8 == 0;
-  b.vector_gate = gate_vec ? 1 : 0;
+  b.vector_loads = p.K % 8 == 0 && p.V % 8 == 0 && rows_in_16_byte_pieces({&p.q, &p.k, &p.v, &p.do_}) ? 1 : 0;
+  b.vector_gate = !p.gate_per_head && p.K % 8 == 0 && rows_in_16_byte_pieces({&p.g}) ? 1 : 0;
   return b;
 }
 
