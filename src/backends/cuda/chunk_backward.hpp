@@ -1,8 +1,8 @@
 // The CUDA backend's chunk backward: parameter struct, workspace plan and host launcher.
 //
 // Framework-free: raw device pointers, element strides, sizes and a stream in; a cudaError_t out.
-// The backward (SPEC.md §2, stages B0-B5) runs as four kernels over 64-token chunks, with 64 x 64
-// tiles of the key and value dimensions (any K and V):
+// The backward (SPEC.md §2, stages B0-B5) runs over 64-token chunks, with 64 x 64 tiles of the key
+// and value dimensions (any K and V):
 //   chunk offsets  one CTA: each sequence's first global chunk, from device cu_seqlens (no host copy,
 //                  so the backward captures into CUDA graphs).
 //   state scans    one CTA per (sequence, head, key tile, value tile) and direction: the forward walk
@@ -12,15 +12,19 @@
 //   dq/dk/dg       one CTA per (chunk, head, key tile): dA = scale * do v^T over all values, then the
 //                  inter-chunk terms from S_c and dS_{c+1}, the pivoted off-diagonal blocks on tensor
 //                  cores, the 16 x 16 diagonal blocks element-wise, and dg by a reverse cumsum.
-//   dv             one CTA per (chunk, head, value tile): A = scale * (q 2^b)(k 2^-b)^T pivoted over
-//                  all keys, dv = A^T do + (k 2^{b_last - b}) dS_{c+1}.
-// bf16 / fp16 tensor-core operands (WMMA m16n16k16), fp32 accumulation, fp32 gate cumsum and states.
+//   dv             the chunk forward run backwards in time (docs/cuda_backward.md, "dv by the reversed forward"):
+//                  dv_t = dS_t^T k_t, and dS_t follows the forward's recurrence on the reversed sequence
+//                  with q and k swapped, do as the values and the gate shifted by one token, so the
+//                  forward's kernels (tensor-core diagonal blocks, segment split) compute dv.
+// bf16 / fp16 tensor-core operands, fp32 accumulation, fp32 gate cumsum and states.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
+
+#include "backends/cuda/chunk_forward.hpp"
 
 namespace gla::cuda {
 
@@ -58,6 +62,7 @@ struct BackwardParams {
   int32_t gate_per_head;
   int32_t vector_loads;  // 1: q, k, v, do rows 16-byte aligned, K and V multiples of 8
   int32_t vector_gate;   // 1: a per-key gate with 16-byte aligned rows and K a multiple of 8
+  int32_t vector_dv;     // 1: dv rows 16-byte aligned (with vector_loads: the reversed forward's cp.async path)
 };
 
 // Where each intermediate lives in the workspace (byte offsets, 256-byte aligned).
@@ -68,10 +73,19 @@ struct BackwardPlan {
   size_t states = 0;         // fp32 [num_chunks, H, K, V]: S_c, the state before chunk c
   size_t state_grads = 0;    // fp32 [num_chunks, H, K, V]: dS_{c+1}, dL/d(state after chunk c)
   size_t gate_partials = 0;  // fp32 [key_tiles, B * T, H]: per-head gate only, dg per key tile
+  // dv by the reversed forward (dv wanted only; else values.kernel is unused and the sizes are 0):
+  ForwardPlan values;              // the forward's plan for the reversed problem
+  size_t values_workspace = 0;     // the forward's own workspace (values.workspace_bytes)
+  size_t reversed_gate = 0;        // g shifted by one token and reversed: [B, T, H, K or 1] in g's dtype
+  size_t reversed_offsets = 0;     // int64 [N + 1]: cu_seqlens of the reversed varlen batch
+  size_t reversed_dht = 0;         // fp32 [N, H, K, V]: dht / scale, sequences reversed with varlen
+  size_t zero_values = 0;          // 16-bit [B, T, H, V] zeros: do absent or scale = 0
   size_t workspace_bytes = 0;
 };
 
-BackwardPlan plan_backward(const BackwardParams& p);
+// seq_offsets: host copy of the N + 1 offsets (per-row 0, T, 2T... without varlen); sm_count of the
+// device (the reversed forward's segment planner).
+BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, int sm_count);
 
 // Queues the backward on `stream`. workspace must hold plan.workspace_bytes, 256-byte aligned.
 cudaError_t launch_backward(const BackwardParams& p, const BackwardPlan& plan, void* workspace,

@@ -207,7 +207,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
   for (int i = tid; i < DK; i += NT) dsum[i] = 0.f;
 
   // ---- loads of one chunk into a stage ----
-  const size_t esz = 2;
+  const int64_t esz = 2;  // signed: time strides may be negative (the backward runs the forward reversed)
   auto issue_loads = [&](int64_t chunk, int stage) {
     unsigned char* st = smem + stage * L.stage_bytes;
     const int64_t t0 = seq.bos + chunk * kChunk;

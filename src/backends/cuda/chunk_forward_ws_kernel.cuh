@@ -270,7 +270,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   }
   __syncthreads();
 
-  const size_t esz = 2;
+  const int64_t esz = 2;  // signed: time strides may be negative (the backward runs the forward reversed)
   if (warp < NP / 32) {
     // =============================== prep group ===============================
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

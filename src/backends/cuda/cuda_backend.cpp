@@ -204,6 +204,7 @@ cuda::BackwardParams make_backward_params(const gla_problem& p) {
   b.gate_per_head = p.gate_per_head;
   b.vector_loads = p.K % 8 == 0 && p.V % 8 == 0 && rows_in_16_byte_pieces({&p.q, &p.k, &p.v, &p.do_}) ? 1 : 0;
   b.vector_gate = !p.gate_per_head && p.K % 8 == 0 && rows_in_16_byte_pieces({&p.g}) ? 1 : 0;
+  b.vector_dv = rows_in_16_byte_pieces({&p.dv}) ? 1 : 0;
   return b;
 }
 
@@ -230,6 +231,10 @@ cuda::ForwardPlan cached_plan(const cuda::ForwardParams& f, const gla_problem& p
   if (cache.size() > 1024) cache.clear();
   cache.emplace(key, plan);
   return plan;
+}
+
+cuda::BackwardPlan backward_plan(const gla_problem& p) {
+  return cuda::plan_backward(make_backward_params(p), p.seq_offsets, device_info(p.device_index).sm_count);
 }
 
 class CudaBackend final : public Backend {
@@ -298,6 +303,9 @@ class CudaBackend final : public Backend {
       if (p.V > 512) return Verdict::no("V=" + std::to_string(p.V) + " > 512 supported by the CUDA backward");
       if (present(p.dg) && element_type(p.dg.dtype) < 0) return Verdict::no("dg dtype not fp32/fp16/bf16");
       if (p.H > 65535) return Verdict::no("H > 65535 (grid limit)");
+      // dv runs the forward's kernels (the grid limits below apply).
+      if (present(p.dv) && p.H * ((p.V + 31) / 32) > 65535) return Verdict::no("H * ceil(V/32) > 65535 (grid limit)");
+      if (p.N > (int64_t(1) << 24)) return Verdict::no("more than 2^24 sequences");
       return Verdict::yes();
     }
     const int64_t value_tiles = (p.V + 31) / 32;
@@ -308,7 +316,7 @@ class CudaBackend final : public Backend {
 
   size_t workspace_size(const gla_problem& p) const override {
     if (p.unit == GLA_UNIT_RECURRENT_FWD) return 0;
-    if (p.backward) return cuda::plan_backward(make_backward_params(p)).workspace_bytes;
+    if (p.backward) return backward_plan(p).workspace_bytes;
     const cuda::ForwardParams f = make_params(p);
     return cached_plan(f, p).workspace_bytes;
   }
@@ -319,11 +327,14 @@ class CudaBackend final : public Backend {
              std::to_string(p.N * p.H * ((p.V + 31) / 32)) + " CTAs, fp32 state tile in registers";
     }
     if (p.backward) {
-      const cuda::BackwardPlan plan = cuda::plan_backward(make_backward_params(p));
-      return "chunk backward: state walks per (sequence, head, 64x64 state block), then dq/dk/dg per (chunk, head, "
-             "key tile of 64) and dv per (chunk, head, value tile of 64) on tensor cores; " +
-             std::to_string(plan.key_tiles) + " key tile(s), " + std::to_string(plan.value_tiles) +
-             " value tile(s), " + std::to_string(plan.workspace_bytes) + " workspace bytes (fp32 chunk states and state gradients)";
+      const cuda::BackwardPlan plan = backward_plan(p);
+      std::string s =
+          "chunk backward: state walks per (sequence, head, 64x64 state block), then dq/dk/dg per (chunk, head, "
+          "key tile of 64) on tensor cores; " +
+          std::to_string(plan.key_tiles) + " key tile(s), " + std::to_string(plan.workspace_bytes) +
+          " workspace bytes (fp32 chunk states and state gradients, the reversed gate)";
+      if (present(p.dv)) s += "; dv by the forward run in reverse time: " + std::string(cuda::kernel_name(plan.values.kernel).description);
+      return s;
     }
     const cuda::ForwardParams f = make_params(p);
     const cuda::ForwardPlan plan = cached_plan(f, p);
@@ -379,7 +390,7 @@ class CudaBackend final : public Backend {
   void run_backward(const gla_problem& p) {
     DeviceGuard guard(p.device_index);
     const cuda::BackwardParams b = make_backward_params(p);
-    const cuda::BackwardPlan plan = cuda::plan_backward(b);
+    const cuda::BackwardPlan plan = backward_plan(p);
     void* workspace = p.workspace;
     bool owned = false;
     if (workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
