@@ -210,7 +210,7 @@ cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, cons
   cudaError_t err = cudaSuccess;
   const int tiles = plan.key_tiles * plan.value_tiles;
   if (p.N > 0) {
-    const size_t scan_bytes = sizeof(ScanShared<E>);
+    const size_t scan_bytes = sizeof(ScanShared);
     if ((err = allow_shared(state_scan_kernel<E>, scan_bytes)) != cudaSuccess) return err;
     state_scan_kernel<E><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.H), 2 * tiles), kScanThreads,
                            scan_bytes, stream>>>(p, plan, ws);
@@ -245,7 +245,7 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
   BackwardPlan plan;
   plan.key_tiles = static_cast<int32_t>((p.K + backward::kTile - 1) / backward::kTile);
   plan.value_tiles = static_cast<int32_t>((p.V + backward::kTile - 1) / backward::kTile);
-  const size_t state_bytes = static_cast<size_t>(p.num_chunks) * p.H * p.K * p.V * sizeof(float);
+  const size_t state_bytes = static_cast<size_t>(p.num_chunks) * p.H * p.K * p.V * sizeof(backward::StateElement);
   size_t at = 0;
   plan.chunk_offsets = at;
   at = align256(at + static_cast<size_t>(p.N + 1) * sizeof(int64_t));

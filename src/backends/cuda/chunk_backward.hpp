@@ -7,7 +7,7 @@
 //                  so the backward captures into CUDA graphs).
 //   state scans    one CTA per (sequence, head, key tile, value tile) and direction: the forward walk
 //                  recomputes every chunk-start state S_c, the reverse walk every end-of-chunk state
-//                  gradient dS_{c+1} and dh0; both fp32, written to the workspace. The transition is
+//                  gradient dS_{c+1} and dh0; both bf16 in the workspace. The transition is
 //                  diagonal in the keys, so key tiles are independent walks.
 //   dq/dk/dg       one CTA per (chunk, head, key tile): dA = scale * do v^T over all values, then the
 //                  inter-chunk terms from S_c and dS_{c+1}, the pivoted off-diagonal blocks on tensor
@@ -16,7 +16,7 @@
 //                  dv_t = dS_t^T k_t, and dS_t follows the forward's recurrence on the reversed sequence
 //                  with q and k swapped, do as the values and the gate shifted by one token, so the
 //                  forward's kernels (tensor-core diagonal blocks, segment split) compute dv.
-// bf16 / fp16 tensor-core operands, fp32 accumulation, fp32 gate cumsum and states.
+// bf16 / fp16 tensor-core operands, fp32 accumulation, fp32 gate cumsum and state walks.
 #pragma once
 
 #include <cstddef>
@@ -70,8 +70,8 @@ struct BackwardPlan {
   int32_t key_tiles = 0;    // ceil(K / 64)
   int32_t value_tiles = 0;  // ceil(V / 64)
   size_t chunk_offsets = 0;  // int64 [N + 1]: first global chunk of each sequence
-  size_t states = 0;         // fp32 [num_chunks, H, K, V]: S_c, the state before chunk c
-  size_t state_grads = 0;    // fp32 [num_chunks, H, K, V]: dS_{c+1}, dL/d(state after chunk c)
+  size_t states = 0;         // bf16 [num_chunks, H, K, V]: S_c, the state before chunk c
+  size_t state_grads = 0;    // bf16 [num_chunks, H, K, V]: dS_{c+1}, dL/d(state after chunk c)
   size_t gate_partials = 0;  // fp32 [key_tiles, B * T, H]: per-head gate only, dg per key tile
   // dv by the reversed forward (dv wanted only; else values.kernel is unused and the sizes are 0):
   ForwardPlan values;              // the forward's plan for the reversed problem

@@ -82,33 +82,41 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
     wmma::fill_fragment(acc_q[i], 0.0f);
     wmma::fill_fragment(acc_k[i], 0.0f);
   }
-  // rowsum(S_c ⊙ dS_{c+1}) partials: group i of this thread covers row (tid + 256 i) / 16.
-  float rowsum_part[Tile32<kGradThreads>::kGroups];
+  // rowsum(S_c ⊙ dS_{c+1}) partials: group i of this thread covers row (tid + 256 i) / 8.
+  constexpr int kStateGroups = Tile16<kGradThreads>::kGroups;
+  float rowsum_part[kStateGroups];
 #pragma unroll
-  for (int i = 0; i < Tile32<kGradThreads>::kGroups; ++i) rowsum_part[i] = 0.0f;
-  const float* S_c = ws.states + (chunk * p.H + h) * p.K * p.V;
-  const float* dS_c = ws.state_grads + (chunk * p.H + h) * p.K * p.V;
+  for (int i = 0; i < kStateGroups; ++i) rowsum_part[i] = 0.0f;
+  const StateElement* S_c = ws.states + (chunk * p.H + h) * p.K * p.V;
+  const StateElement* dS_c = ws.state_grads + (chunk * p.H + h) * p.K * p.V;
+  const int64_t state_stride[3] = {0, p.V, 0};  // a state block as a tile: rows are keys
+  const bool state_vector = p.V % 8 == 0;
   for (int vt = 0; vt < plan.value_tiles; ++vt) {
     const int64_t v0 = int64_t(vt) * kTile;
     const int64_t vv = p.V - v0 < kTile ? p.V - v0 : kTile;
     {
-      Tile16<kGradThreads> dO, v;
-      Tile32<kGradThreads> S, dS;
+      Tile16<kGradThreads> dO, v, S, dS;
       load_tile(dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
       load_tile(v, p.v, p.v_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
-      load_state_tile(S, S_c + k0 * p.V, p.V, kv, v0, vv, tid);
-      load_state_tile(dS, dS_c + k0 * p.V, p.V, kv, v0, vv, tid);
+      load_tile(S, S_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
+      load_tile(dS, dS_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
       store_tile(sh.u.loop.dO, dO, tid);
       store_tile(sh.u.loop.v, v, tid);
 #pragma unroll
-      for (int i = 0; i < Tile32<kGradThreads>::kGroups; ++i) {
-        const int e = tid + i * kGradThreads, r = e >> 4, c = (e & 15) * 4;
-        const float4 s4 = S.r[i], d4 = dS.r[i];
-        rowsum_part[i] += s4.x * d4.x + s4.y * d4.y + s4.z * d4.z + s4.w * d4.w;
+      for (int i = 0; i < kStateGroups; ++i) {
+        const int e = tid + i * kGradThreads, r = e >> 3, c = (e & 7) * 8;
+        const uint32_t sw[4] = {S.r[i].x, S.r[i].y, S.r[i].z, S.r[i].w};
+        const uint32_t dw[4] = {dS.r[i].x, dS.r[i].y, dS.r[i].z, dS.r[i].w};
         E* srow = sh.u.loop.S + r * kLd16 + c;
         E* drow = sh.u.loop.dS + r * kLd16 + c;
-        srow[0] = from_float<E>(s4.x); srow[1] = from_float<E>(s4.y); srow[2] = from_float<E>(s4.z); srow[3] = from_float<E>(s4.w);
-        drow[0] = from_float<E>(d4.x); drow[1] = from_float<E>(d4.y); drow[2] = from_float<E>(d4.z); drow[3] = from_float<E>(d4.w);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float s1 = __uint_as_float((sw[j / 2] >> (16 * (j % 2))) << 16);
+          const float d1 = __uint_as_float((dw[j / 2] >> (16 * (j % 2))) << 16);
+          rowsum_part[i] += s1 * d1;
+          srow[j] = from_float<E>(s1);
+          drow[j] = from_float<E>(d1);
+        }
       }
     }
     __syncthreads();
@@ -129,12 +137,12 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
     }
     __syncthreads();
   }
-  // rowsum: the 16 consecutive lanes sharing a row reduce by shuffles.
+  // rowsum: the 8 consecutive lanes sharing a row reduce by shuffles.
 #pragma unroll
-  for (int i = 0; i < Tile32<kGradThreads>::kGroups; ++i) {
+  for (int i = 0; i < kStateGroups; ++i) {
     float x = rowsum_part[i];
-    for (int off = 8; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-    if ((lane & 15) == 0) sh.rowsum[(tid + i * kGradThreads) >> 4] = x;
+    for (int off = 4; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    if ((lane & 7) == 0) sh.rowsum[(tid + i * kGradThreads) >> 3] = x;
   }
   for (int i = 0; i < 2; ++i) {
     const int tile = 2 * warp + i, ti = tile >> 2, tj = tile & 3;

@@ -4,32 +4,39 @@
 // Both have the form X ← Diag(decay) X + (keys ⊙ factor)ᵀ values, and the decay is diagonal in the
 // keys, so a CTA owns one 64 x 64 (key tile, value tile) block of one (sequence, head) and walks the
 // sequence's chunks, storing the block before each chunk's update: S_c (forward) or dS_{c+1}
-// (reverse) for the gradient kernels. The block is fp32 in shared memory; the update runs on tensor
-// cores with 16-bit operands.
+// (reverse) for the gradient kernels, in bf16.
+//
+// The block lives in fp32 registers as the transposed block Xᵀ [values x keys] in mma.sync C
+// fragments, warp w owning value rows 16w..16w+15: the forward's state update (chunk_tile_ops.cuh,
+// state_update) applies unchanged, the decay is one multiply per entry by a per-key factor, and the
+// block goes to the workspace through a shared-memory stage as 16-byte rows. (The first version
+// kept the block in shared memory and ran WMMA on it: 2.0 ms for both walks at B8 T4096 H16 D128.)
 #pragma once
 
 #include "backends/cuda/chunk_backward_common.cuh"
+#include "backends/cuda/chunk_tile_ops.cuh"
 
 namespace gla::cuda::backward {
 
-constexpr int kScanThreads = 128;
+constexpr int kScanThreads = 128;  // 4 warps x 16 value rows
 
-template <typename E>
 struct ScanShared {
-  alignas(128) float state[kTile * kLd32];  // [key][value] block
-  alignas(128) float b[kChunk * kTile];     // chunk-local cumulative gate, log2 units
-  alignas(128) E keys[kChunk * kLd16];      // [token][key]: k ⊙ 2^{b_last - b} or scale q ⊙ 2^{b}
-  alignas(128) E values[kChunk * kLd16];    // [token][value]: v or do
+  alignas(128) float b[kChunk * kTile];         // chunk-local cumulative gate, log2 units
+  alignas(128) uint16_t keys[kChunk * kLd16];   // [token][key]: k ⊙ 2^{b_last - b} or scale q ⊙ 2^{b}
+  alignas(128) uint16_t values[kChunk * kLd16]; // [token][value]: v or do
+  alignas(128) uint16_t stage[kTile * kLd16];   // [key][value]: the block before the update, bf16
+  float decay[kTile];                           // 2^{b_last} per key
 };
 
 // grid: (N, H, 2 * key_tiles * value_tiles); z < key_tiles * value_tiles walks forward.
 template <typename E>
 __global__ void __launch_bounds__(kScanThreads) state_scan_kernel(BackwardParams p, BackwardPlan plan,
                                                                   Workspace ws) {
-  namespace wmma = nvcuda::wmma;
+  using X = detail::Elem<E>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  ScanShared<E>& sh = *reinterpret_cast<ScanShared<E>*>(smem_raw);
-  const int tid = threadIdx.x, warp = tid >> 5;
+  ScanShared& sh = *reinterpret_cast<ScanShared*>(smem_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int vrow = 16 * warp;
   const int64_t n = blockIdx.x, h = blockIdx.y;
   const int tiles = plan.key_tiles * plan.value_tiles;
   const bool reverse = static_cast<int>(blockIdx.z) >= tiles;
@@ -43,19 +50,19 @@ __global__ void __launch_bounds__(kScanThreads) state_scan_kernel(BackwardParams
   // The walk's starting block: initial_state forward, dht in reverse (zeros when absent).
   const float* start = reverse ? p.dht : p.initial_state;
   const int64_t* start_stride = reverse ? p.dht_stride : p.h0_stride;
-  for (int e = tid; e < kTile * kTile; e += kScanThreads) {
-    const int r = e >> 6, c = e & 63;
-    float x = 0.0f;
-    if (start != nullptr && r < kv && c < vv) x = start[state_at(start_stride, p.state_v_first, n, h, k0 + r, v0 + c)];
-    sh.state[r * kLd32 + c] = x;
-  }
-  __syncthreads();
+  float S[kTile / 8][4];  // Xᵀ: entry (value vrow + .., key ..)
+  detail::for_each_state_entry<kTile>(vrow, lane, [&](int j, int e, int value, int key) {
+    S[j][e] = start != nullptr && key < kv && value < vv
+                  ? start[state_at(start_stride, p.state_v_first, n, h, k0 + key, v0 + value)]
+                  : 0.0f;
+  });
 
-  float* out = reverse ? ws.state_grads : ws.states;
+  StateElement* out = reverse ? ws.state_grads : ws.states;
   const void* key_src = reverse ? p.q : p.k;
   const int64_t* key_stride = reverse ? p.q_stride : p.k_stride;
   const void* value_src = reverse ? p.do_ : p.v;
   const int64_t* value_stride = reverse ? p.do_stride : p.v_stride;
+  const bool store_vector = p.V % 8 == 0;
   // The next chunk's tiles are in flight while this chunk is computed.
   GateTile<kScanThreads> gate;
   Tile16<kScanThreads> keys, values;
@@ -70,48 +77,44 @@ __global__ void __launch_bounds__(kScanThreads) state_scan_kernel(BackwardParams
   if (chunks > 0) prefetch(0);
   for (int64_t step = 0; step < chunks; ++step) {
     const int64_t c = reverse ? chunks - 1 - step : step;
-    // Store the block: S_c forward, dS_{c+1} in reverse.
-    float* dst = out + ((first_chunk + c) * p.H + h) * p.K * p.V;
-    for (int e = tid; e < kTile * kTile; e += kScanThreads) {
-      const int r = e >> 6, col = e & 63;
-      if (r < kv && col < vv) dst[(k0 + r) * p.V + v0 + col] = sh.state[r * kLd32 + col];
-    }
     store_tile(sh.keys, keys, tid);
     store_tile(sh.values, values, tid);
-    gate_cumsum(sh.b, gate, tid);
+    // The block before this chunk's update, staged as [key][value] bf16.
+    detail::for_each_state_entry<kTile>(vrow, lane, [&](int j, int e, int value, int key) {
+      sh.stage[key * kLd16 + value] = detail::Elem<__nv_bfloat16>::from_float(S[j][e]);
+    });
+    gate_cumsum(sh.b, gate, tid);  // synchronises: keys, values and the stage are visible after it
     if (step + 1 < chunks) prefetch(step + 1);
+    StateElement* dst = out + ((first_chunk + c) * p.H + h) * p.K * p.V + k0 * p.V + v0;
+#pragma unroll
+    for (int i = 0; i < kTile * kTile / 8 / kScanThreads; ++i) {
+      const int e = tid + i * kScanThreads, r = e >> 3, col = (e & 7) * 8;
+      if (r >= kv) continue;
+      const uint16_t* src = sh.stage + r * kLd16 + col;
+      if (store_vector && col + 8 <= vv) {
+        *reinterpret_cast<uint4*>(dst + r * p.V + col) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int j = 0; j < 8 && col + j < vv; ++j) reinterpret_cast<uint16_t*>(dst)[r * p.V + col + j] = src[j];
+      }
+    }
     for (int e = tid; e < kChunk * kTile; e += kScanThreads) {
       const int t = e >> 6, col = e & 63;
       const float bt = sh.b[t * kTile + col], last = sh.b[(kChunk - 1) * kTile + col];
       const float factor = reverse ? p.scale * detail::fast_exp2(bt) : detail::fast_exp2(last - bt);
-      E& x = sh.keys[t * kLd16 + col];
-      x = from_float<E>(to_float(x) * factor);
-      // The block's row `t` is key t: decay it by the chunk's total.
-      const float decay = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + t]);
-      sh.state[t * kLd32 + col] *= decay;
+      uint16_t& x = sh.keys[t * kLd16 + col];
+      x = X::from_float(X::to_float(x) * factor);
     }
+    if (tid < kTile) sh.decay[tid] = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + tid]);
     __syncthreads();
-    // block[key][value] += keysᵀ · values: warp w owns key rows 16w..16w+15.
-    for (int vt = 0; vt < 4; ++vt) {
-      FragC acc;
-      float* block = sh.state + (16 * warp) * kLd32 + 16 * vt;
-      wmma::load_matrix_sync(acc, block, kLd32, wmma::mem_row_major);
-      for (int kk = 0; kk < 4; ++kk) {
-        FragAT<E> a;
-        FragB<E> bf;
-        wmma::load_matrix_sync(a, sh.keys + (16 * kk) * kLd16 + 16 * warp, kLd16);
-        wmma::load_matrix_sync(bf, sh.values + (16 * kk) * kLd16 + 16 * vt, kLd16);
-        wmma::mma_sync(acc, a, bf, acc);
-      }
-      wmma::store_matrix_sync(block, acc, kLd32, wmma::mem_row_major);
-    }
+    uint32_t vf[4][4];
+    detail::load_v_fragments(vf, sh.values, kLd16, vrow, lane);
+    detail::state_update<kTile, X>(S, vf, sh.keys, kLd16, sh.decay, lane);
     __syncthreads();
   }
   if (reverse && p.dh0 != nullptr) {
-    for (int e = tid; e < kTile * kTile; e += kScanThreads) {
-      const int r = e >> 6, c = e & 63;
-      if (r < kv && c < vv) p.dh0[state_at(p.dh0_stride, p.state_v_first, n, h, k0 + r, v0 + c)] = sh.state[r * kLd32 + c];
-    }
+    detail::for_each_state_entry<kTile>(vrow, lane, [&](int j, int e, int value, int key) {
+      if (key < kv && value < vv) p.dh0[state_at(p.dh0_stride, p.state_v_first, n, h, k0 + key, v0 + value)] = S[j][e];
+    });
   }
 }
 

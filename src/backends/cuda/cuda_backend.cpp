@@ -332,7 +332,7 @@ class CudaBackend final : public Backend {
           "chunk backward: state walks per (sequence, head, 64x64 state block), then dq/dk/dg per (chunk, head, "
           "key tile of 64) on tensor cores; " +
           std::to_string(plan.key_tiles) + " key tile(s), " + std::to_string(plan.workspace_bytes) +
-          " workspace bytes (fp32 chunk states and state gradients, the reversed gate)";
+          " workspace bytes (bf16 chunk states and state gradients, the reversed gate)";
       if (present(p.dv)) s += "; dv by the forward run in reverse time: " + std::string(cuda::kernel_name(plan.values.kernel).description);
       return s;
     }
