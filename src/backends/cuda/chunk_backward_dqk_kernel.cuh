@@ -18,7 +18,11 @@
 
 namespace gla::cuda::backward {
 
-constexpr int kGradThreads = 256;
+// 16 warps, one CTA per SM (the shared memory allows one): twice the warps of the first version
+// (8) to hide the latency of the tile loads and the shared-memory passes.
+constexpr int kGradThreads = 512;
+constexpr int kGradWarps = kGradThreads / 32;
+constexpr int kTilesPerWarp = 16 / kGradWarps;  // of the 16 output tiles 16 x 16 of a 64 x 64 block
 constexpr int kStackRows = 96;  // 16 + 32 + 48 rows of pivoted keys (or queries) for three blocks
 
 // First row of query block i's pivoted keys (i = 1..3) and of key block j's pivoted queries (j = 0..2)
@@ -51,9 +55,33 @@ struct DqkShared {
   float dk_inter_sum[kTile];
 };
 
+// Rows t of one row set (SET 0: t mod 4 in {0, 3}; SET 1: {1, 2}) of the diagonal block at r0, column
+// c: dq[t] += Σ_{s<=t} dA[t,s] k_s 2^{b_t - b_s}, and dk_local[s] = Σ_{t>=s} dA[t,s] q_t 2^{b_t - b_s}.
+template <int SET, typename E>
+__device__ __forceinline__ void diagonal_rows(DqkShared<E>& sh, int c, int r0, float (&dk_local)[16]) {
+#pragma unroll
+  for (int s = 0; s < 16; ++s) dk_local[s] = 0.0f;
+#pragma unroll
+  for (int t = 0; t < 16; ++t) {
+    const bool mine = SET == 0 ? (t % 4 == 0 || t % 4 == 3) : (t % 4 == 1 || t % 4 == 2);
+    if (!mine) continue;
+    const float bt = sh.b[(r0 + t) * kTile + c];
+    const float qt = to_float(sh.q[(r0 + t) * kLd16 + c]);
+    float dq_acc = 0.0f;
+#pragma unroll
+    for (int s = 0; s <= t; ++s) {
+      const float f = detail::fast_exp2(bt - sh.b[(r0 + s) * kTile + c]);
+      const float a = to_float(sh.dA[(r0 + t) * kLd16 + r0 + s]) * f;
+      dq_acc += a * to_float(sh.k[(r0 + s) * kLd16 + c]);
+      dk_local[s] += a * qt;
+    }
+    sh.u.grad.dq[(r0 + t) * kLd32 + c] += dq_acc;
+  }
+}
+
 // grid: (num_chunks, H, key_tiles)
 template <typename E>
-__global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
+__global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
   namespace wmma = nvcuda::wmma;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   DqkShared<E>& sh = *reinterpret_cast<DqkShared<E>*>(smem_raw);
@@ -76,8 +104,8 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
   }
 
   // ---- over the value tiles: dA = do vᵀ, Pq = do S_cᵀ, Pk = v dS_{c+1}ᵀ, rowsum(S_c ⊙ dS_{c+1}) ----
-  FragC acc_dA[2], acc_q[2], acc_k[2];
-  for (int i = 0; i < 2; ++i) {
+  FragC acc_dA[kTilesPerWarp], acc_q[kTilesPerWarp], acc_k[kTilesPerWarp];
+  for (int i = 0; i < kTilesPerWarp; ++i) {
     wmma::fill_fragment(acc_dA[i], 0.0f);
     wmma::fill_fragment(acc_q[i], 0.0f);
     wmma::fill_fragment(acc_k[i], 0.0f);
@@ -120,8 +148,8 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
       }
     }
     __syncthreads();
-    for (int i = 0; i < 2; ++i) {
-      const int tile = 2 * warp + i, ti = tile >> 2, tj = tile & 3;
+    for (int i = 0; i < kTilesPerWarp; ++i) {
+      const int tile = kTilesPerWarp * warp + i, ti = tile >> 2, tj = tile & 3;
       for (int kk = 0; kk < 4; ++kk) {
         FragA<E> a_do, a_v;
         FragBT<E> b_v, b_S, b_dS;
@@ -144,8 +172,8 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
     for (int off = 4; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
     if ((lane & 7) == 0) sh.rowsum[(tid + i * kGradThreads) >> 3] = x;
   }
-  for (int i = 0; i < 2; ++i) {
-    const int tile = 2 * warp + i, ti = tile >> 2, tj = tile & 3;
+  for (int i = 0; i < kTilesPerWarp; ++i) {
+    const int tile = kTilesPerWarp * warp + i, ti = tile >> 2, tj = tile & 3;
     wmma::store_matrix_sync(sh.u.grad.dq + 16 * ti * kLd32 + 16 * tj, acc_q[i], kLd32, wmma::mem_row_major);
     wmma::store_matrix_sync(sh.u.grad.dk + 16 * ti * kLd32 + 16 * tj, acc_k[i], kLd32, wmma::mem_row_major);
     wmma::store_matrix_sync(sh.tmp + 16 * ti * kLd32 + 16 * tj, acc_dA[i], kLd32, wmma::mem_row_major);
@@ -180,7 +208,7 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
   }
 
   // ---- off-diagonal blocks of dq: query block i = 1..3, key tile columns kt ----
-  for (int task = warp; task < 12; task += 8) {
+  for (int task = warp; task < 12; task += kGradWarps) {
     const int i = 1 + task / 4, kt = task % 4;
     FragC acc;
     wmma::fill_fragment(acc, 0.0f);
@@ -201,7 +229,7 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
   }
   __syncthreads();
   // ---- off-diagonal blocks of dk: key block j = 0..2 ----
-  for (int task = warp; task < 12; task += 8) {
+  for (int task = warp; task < 12; task += kGradWarps) {
     const int j = task / 4, kt = task % 4;
     FragC acc;
     wmma::fill_fragment(acc, 0.0f);
@@ -222,28 +250,23 @@ __global__ void __launch_bounds__(kGradThreads) dqk_kernel(BackwardParams p, Bac
   }
   __syncthreads();
 
-  // ---- diagonal blocks, element-wise: thread (column c, block i) ----
+  // ---- diagonal blocks, element-wise: thread (column c, block i, row set) ----
+  // The two row sets {0,3,4,7,8,11,12,15} and {1,2,5,6,9,10,13,14} hold 68 of the block's 136
+  // (t, s) pairs each; set 0 adds its dk terms first, then set 1 (a fixed order: reruns are bitwise).
   {
-    const int c = tid & 63, i = tid >> 6, r0 = 16 * i;
+    const int c = tid & 63, i = (tid >> 6) & 3, set = tid >> 8, r0 = 16 * i;
     float dk_local[16];
+    if (set == 0) diagonal_rows<0, E>(sh, c, r0, dk_local);
+    else diagonal_rows<1, E>(sh, c, r0, dk_local);
+    if (set == 0) {
 #pragma unroll
-    for (int s = 0; s < 16; ++s) dk_local[s] = 0.0f;
-#pragma unroll
-    for (int t = 0; t < 16; ++t) {
-      const float bt = sh.b[(r0 + t) * kTile + c];
-      const float qt = to_float(sh.q[(r0 + t) * kLd16 + c]);
-      float dq_acc = 0.0f;
-#pragma unroll
-      for (int s = 0; s <= t; ++s) {
-        const float f = detail::fast_exp2(bt - sh.b[(r0 + s) * kTile + c]);
-        const float a = to_float(sh.dA[(r0 + t) * kLd16 + r0 + s]) * f;
-        dq_acc += a * to_float(sh.k[(r0 + s) * kLd16 + c]);
-        dk_local[s] += a * qt;
-      }
-      sh.u.grad.dq[(r0 + t) * kLd32 + c] += dq_acc;
+      for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
     }
+    __syncthreads();
+    if (set == 1) {
 #pragma unroll
-    for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
+      for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
+    }
   }
   __syncthreads();
 

@@ -30,7 +30,7 @@ struct ScanShared {
 
 // grid: (N, H, 2 * key_tiles * value_tiles); z < key_tiles * value_tiles walks forward.
 template <typename E>
-__global__ void __launch_bounds__(kScanThreads) state_scan_kernel(BackwardParams p, BackwardPlan plan,
+__global__ void __launch_bounds__(kScanThreads, 4) state_scan_kernel(BackwardParams p, BackwardPlan plan,
                                                                   Workspace ws) {
   using X = detail::Elem<E>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
