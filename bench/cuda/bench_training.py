@@ -114,7 +114,7 @@ def rel_rms(a, b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--cases", default="", help="comma-separated case labels (default: all)")
+    ap.add_argument("--cases", default="", help="comma-separated case labels, run in this order (default: all)")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default="")
@@ -125,14 +125,13 @@ def main():
             from fla.ops.gla import chunk_gla as fla_chunk_gla
         except Exception as e:  # noqa: BLE001
             print(f"fla not importable ({type(e).__name__}: {e}); libgla only", file=sys.stderr)
-    wanted = {c.strip() for c in args.cases.split(",") if c.strip()}
+    wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
+    cases = sorted((c for c in CASES if c[0] in wanted), key=lambda c: wanted.index(c[0])) if wanted else CASES
     rows = []
     print(f"{torch.cuda.get_device_name()}  torch {torch.version.__version__}  reps {args.reps}")
     print(f"{'case':36s} {'pass':8s} {'libgla ms':>10s} {'fla ms':>9s} {'ratio':>6s} {'b2b libgla':>10s} "
           f"{'b2b fla':>8s} {'b2b ratio':>9s} {'MiB libgla':>10s} {'MiB fla':>8s} {'grad diff':>9s}")
-    for label, B, T, H, K, V, cu in CASES:
-        if wanted and label not in wanted:
-            continue
+    for label, B, T, H, K, V, cu in cases:
         for backward in ((False,) if args.forward_only else (False, True)):
             leaves, do, cu_t, cu_cpu = make_inputs(B, T, H, K, V, cu, backward)
             ours = time_calls(lambda: run_gla(leaves, do, cu_t, cu_cpu, backward), leaves, args.reps)

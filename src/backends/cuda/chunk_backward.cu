@@ -211,9 +211,14 @@ cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, cons
   const int tiles = plan.key_tiles * plan.value_tiles;
   if (p.N > 0) {
     const size_t scan_bytes = sizeof(ScanShared);
-    if ((err = allow_shared(state_scan_kernel<E>, scan_bytes)) != cudaSuccess) return err;
-    state_scan_kernel<E><<<dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.H), 2 * tiles), kScanThreads,
-                           scan_bytes, stream>>>(p, plan, ws);
+    const dim3 grid(static_cast<unsigned>(p.N * plan.scan_segments), static_cast<unsigned>(p.H), 2 * tiles);
+    if (plan.scan_segment_chunks > 0) {
+      if ((err = allow_shared(state_scan_kernel<E, true>, scan_bytes)) != cudaSuccess) return err;
+      state_scan_kernel<E, true><<<grid, kScanThreads, scan_bytes, stream>>>(p, plan, ws);
+      if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
+    if ((err = allow_shared(state_scan_kernel<E, false>, scan_bytes)) != cudaSuccess) return err;
+    state_scan_kernel<E, false><<<grid, kScanThreads, scan_bytes, stream>>>(p, plan, ws);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.num_chunks == 0) return cudaSuccess;
@@ -256,6 +261,35 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
   if (p.gate_per_head && plan.key_tiles > 1) {
     plan.gate_partials = at;
     at = align256(at + static_cast<size_t>(plan.key_tiles) * p.B * p.T * p.H * sizeof(float));
+  }
+  // Segment split of the state walks: when the walks (sequences x heads x blocks x 2) fill less
+  // than one wave of the GPU (4 CTAs per SM), cut them into segments of at least 8 chunks that fill
+  // two. A split walk costs about twice the chunk updates (the local pass): at B8 T4096 H16 D128
+  // (1024 walks, 1.9 waves) a split into 2 segments made fwd+bwd slower, 5.32 -> 6.01 ms; at B1
+  // T32768 H16 (128 walks) a split into 8 made it faster, 8.91 -> 7.16 ms.
+  {
+    int64_t max_chunks = 0;
+    for (int64_t n = 0; n < p.N; ++n) {
+      const int64_t c = (seq_offsets[n + 1] - seq_offsets[n] + backward::kChunk - 1) / backward::kChunk;
+      max_chunks = c > max_chunks ? c : max_chunks;
+    }
+    const int64_t walks = p.N * p.H * 2 * plan.key_tiles * plan.value_tiles;
+    const int64_t slots = int64_t(sm_count > 0 ? sm_count : 1) * 4;
+    if (walks > 0 && walks < slots && max_chunks >= 16) {
+      const int64_t want = (2 * slots + walks - 1) / walks;
+      int64_t seg = (max_chunks + want - 1) / want;
+      seg = seg < 8 ? 8 : seg;
+      const int64_t segments = (max_chunks + seg - 1) / seg;
+      if (segments > 1) {
+        plan.scan_segment_chunks = seg;
+        plan.scan_segments = segments;
+        const size_t blocks = static_cast<size_t>(p.N) * segments * p.H * 2 * plan.key_tiles * plan.value_tiles;
+        plan.segment_states = at;
+        at = align256(at + blocks * backward::kTile * backward::kTile * sizeof(float));
+        plan.segment_decay = at;
+        at = align256(at + blocks * backward::kTile * sizeof(float));
+      }
+    }
   }
   if (p.dv != nullptr && p.num_chunks > 0) {
     // The reversed varlen batch has the same lengths in reverse order (the segment planner and the

@@ -73,6 +73,11 @@ struct BackwardPlan {
   size_t states = 0;         // bf16 [num_chunks, H, K, V]: S_c, the state before chunk c
   size_t state_grads = 0;    // bf16 [num_chunks, H, K, V]: dS_{c+1}, dL/d(state after chunk c)
   size_t gate_partials = 0;  // fp32 [key_tiles, B * T, H]: per-head gate only, dg per key tile
+  // The state walks' segment split (scan_segment_chunks 0: one CTA walks each whole sequence).
+  int64_t scan_segment_chunks = 0;
+  int64_t scan_segments = 1;  // per sequence (grid)
+  size_t segment_states = 0;  // fp32 [N, scan_segments, H, 2 * key_tiles * value_tiles, 64, 64]
+  size_t segment_decay = 0;   // fp32 [N, scan_segments, H, 2 * key_tiles * value_tiles, 64]
   // dv by the reversed forward (dv wanted only; else values.kernel is unused and the sizes are 0):
   ForwardPlan values;              // the forward's plan for the reversed problem
   size_t values_workspace = 0;     // the forward's own workspace (values.workspace_bytes)

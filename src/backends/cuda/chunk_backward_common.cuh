@@ -203,13 +203,17 @@ struct Workspace {
   StateElement* states;
   StateElement* state_grads;
   float* gate_partials;
+  float* segment_states;  // the state walks' segment split (null without one)
+  float* segment_decay;
 };
 
 __host__ __device__ __forceinline__ Workspace workspace_views(const BackwardPlan& plan, void* base) {
   char* w = static_cast<char*>(base);
   return {reinterpret_cast<int64_t*>(w + plan.chunk_offsets), reinterpret_cast<StateElement*>(w + plan.states),
           reinterpret_cast<StateElement*>(w + plan.state_grads),
-          plan.gate_partials ? reinterpret_cast<float*>(w + plan.gate_partials) : nullptr};
+          plan.gate_partials ? reinterpret_cast<float*>(w + plan.gate_partials) : nullptr,
+          plan.scan_segment_chunks ? reinterpret_cast<float*>(w + plan.segment_states) : nullptr,
+          plan.scan_segment_chunks ? reinterpret_cast<float*>(w + plan.segment_decay) : nullptr};
 }
 
 }  // namespace gla::cuda::backward

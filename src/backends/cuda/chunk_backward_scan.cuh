@@ -11,6 +11,12 @@
 // state_update) applies unchanged, the decay is one multiply per entry by a per-key factor, and the
 // block goes to the workspace through a shared-memory stage as 16-byte rows. (The first version
 // kept the block in shared memory and ran WMMA on it: 2.0 ms for both walks at B8 T4096 H16 D128.)
+//
+// Few sequences and heads do not fill the GPU (B1 T32768 H16: 128 walks of 512 chunks), so the
+// planner can split each walk into segments of scan_segment_chunks chunks, as the forward does: a
+// local pass walks every segment but the last from a zero block and keeps its end block L_m and
+// its total decay D_m (the sum of its chunks' b_last); the full pass starts segment m from the
+// walk's start block folded through the earlier segments, X <- 2^{D_s} X + L_s, and stores.
 #pragma once
 
 #include "backends/cuda/chunk_backward_common.cuh"
@@ -28,8 +34,9 @@ struct ScanShared {
   float decay[kTile];                           // 2^{b_last} per key
 };
 
-// grid: (N, H, 2 * key_tiles * value_tiles); z < key_tiles * value_tiles walks forward.
-template <typename E>
+// grid: (N * scan_segments, H, 2 * key_tiles * value_tiles); z < key_tiles * value_tiles walks
+// forward. LOCAL: the local pass of a segment split.
+template <typename E, bool LOCAL>
 __global__ void __launch_bounds__(kScanThreads, 4) state_scan_kernel(BackwardParams p, BackwardPlan plan,
                                                                   Workspace ws) {
   using X = detail::Elem<E>;
@@ -37,7 +44,8 @@ __global__ void __launch_bounds__(kScanThreads, 4) state_scan_kernel(BackwardPar
   ScanShared& sh = *reinterpret_cast<ScanShared*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int vrow = 16 * warp;
-  const int64_t n = blockIdx.x, h = blockIdx.y;
+  const int64_t segments = plan.scan_segments, n = blockIdx.x / segments, m = blockIdx.x % segments;
+  const int64_t h = blockIdx.y;
   const int tiles = plan.key_tiles * plan.value_tiles;
   const bool reverse = static_cast<int>(blockIdx.z) >= tiles;
   const int tile = static_cast<int>(blockIdx.z) % tiles;
@@ -46,16 +54,38 @@ __global__ void __launch_bounds__(kScanThreads, 4) state_scan_kernel(BackwardPar
   const Span seq = sequence(p, n);
   const int64_t chunks = (seq.len + kChunk - 1) / kChunk;
   const int64_t first_chunk = ws.chunk_offsets[n];
+  // This CTA's steps [step0, step1) of the walk (step s is chunk s forward, chunks - 1 - s reversed).
+  const int64_t seg = plan.scan_segment_chunks > 0 ? plan.scan_segment_chunks : (chunks > 0 ? chunks : 1);
+  const int64_t own_segments = chunks > 0 ? (chunks + seg - 1) / seg : 1;
+  if (m >= own_segments || (LOCAL && m == own_segments - 1)) return;
+  const int64_t step0 = m * seg, step1 = step0 + seg < chunks ? step0 + seg : chunks;
+  // The segment's local end block and decay: [(n * segments + m) * H + h][z][64 x 64 | 64].
+  const int64_t local_index = ((n * segments + m) * p.H + h) * (2 * tiles) + blockIdx.z;
 
   // The walk's starting block: initial_state forward, dht in reverse (zeros when absent).
   const float* start = reverse ? p.dht : p.initial_state;
   const int64_t* start_stride = reverse ? p.dht_stride : p.h0_stride;
   float S[kTile / 8][4];  // Xᵀ: entry (value vrow + .., key ..)
   detail::for_each_state_entry<kTile>(vrow, lane, [&](int j, int e, int value, int key) {
-    S[j][e] = start != nullptr && key < kv && value < vv
+    S[j][e] = !LOCAL && start != nullptr && key < kv && value < vv
                   ? start[state_at(start_stride, p.state_v_first, n, h, k0 + key, v0 + value)]
                   : 0.0f;
   });
+  if (!LOCAL) {
+    // Fold the earlier segments of the walk in.
+    for (int64_t s = 0; s < m; ++s) {
+      const int64_t at = local_index + (s - m) * p.H * (2 * tiles);
+      const float* L = ws.segment_states + at * kTile * kTile;
+      if (tid < kTile) sh.decay[tid] = detail::fast_exp2(ws.segment_decay[at * kTile + tid]);
+      __syncthreads();
+      detail::decay_state<kTile>(S, sh.decay, lane);
+      detail::for_each_state_entry<kTile>(vrow, lane, [&](int j, int e, int value, int key) {
+        S[j][e] += L[key * kTile + value];
+      });
+      __syncthreads();
+    }
+  }
+  float total_decay = 0.0f;  // LOCAL: Σ b_last of this thread's key (tid < 64)
 
   StateElement* out = reverse ? ws.state_grads : ws.states;
   const void* key_src = reverse ? p.q : p.k;
@@ -66,7 +96,7 @@ __global__ void __launch_bounds__(kScanThreads, 4) state_scan_kernel(BackwardPar
   // The next chunk's tiles are in flight while this chunk is computed.
   GateTile<kScanThreads> gate;
   Tile16<kScanThreads> keys, values;
-  auto prefetch = [&](int64_t step) {
+  auto prefetch = [&](int64_t step) {  // the tiles of walk step `step`
     const int64_t c = reverse ? chunks - 1 - step : step;
     const int64_t t0 = seq.bos + c * kChunk;
     const int64_t rows = seq.len - c * kChunk < kChunk ? seq.len - c * kChunk : kChunk;
@@ -74,20 +104,23 @@ __global__ void __launch_bounds__(kScanThreads, 4) state_scan_kernel(BackwardPar
     load_tile(keys, key_src, key_stride, seq.batch, t0, h, rows, k0, kv, p.vector_loads, tid);
     load_tile(values, value_src, value_stride, seq.batch, t0, h, rows, v0, vv, p.vector_loads, tid);
   };
-  if (chunks > 0) prefetch(0);
-  for (int64_t step = 0; step < chunks; ++step) {
+  if (step0 < step1) prefetch(step0);
+  for (int64_t step = step0; step < step1; ++step) {
     const int64_t c = reverse ? chunks - 1 - step : step;
     store_tile(sh.keys, keys, tid);
     store_tile(sh.values, values, tid);
     // The block before this chunk's update, staged as [key][value] bf16.
-    detail::for_each_state_entry<kTile>(vrow, lane, [&](int j, int e, int value, int key) {
-      sh.stage[key * kLd16 + value] = detail::Elem<__nv_bfloat16>::from_float(S[j][e]);
-    });
+    if (!LOCAL) {
+      detail::for_each_state_entry<kTile>(vrow, lane, [&](int j, int e, int value, int key) {
+        sh.stage[key * kLd16 + value] = detail::Elem<__nv_bfloat16>::from_float(S[j][e]);
+      });
+    }
     gate_cumsum(sh.b, gate, tid);  // synchronises: keys, values and the stage are visible after it
-    if (step + 1 < chunks) prefetch(step + 1);
+    if (step + 1 < step1) prefetch(step + 1);
     StateElement* dst = out + ((first_chunk + c) * p.H + h) * p.K * p.V + k0 * p.V + v0;
 #pragma unroll
     for (int i = 0; i < kTile * kTile / 8 / kScanThreads; ++i) {
+      if (LOCAL) break;
       const int e = tid + i * kScanThreads, r = e >> 3, col = (e & 7) * 8;
       if (r >= kv) continue;
       const uint16_t* src = sh.stage + r * kLd16 + col;
@@ -104,14 +137,23 @@ __global__ void __launch_bounds__(kScanThreads, 4) state_scan_kernel(BackwardPar
       uint16_t& x = sh.keys[t * kLd16 + col];
       x = X::from_float(X::to_float(x) * factor);
     }
-    if (tid < kTile) sh.decay[tid] = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + tid]);
+    if (tid < kTile) {
+      sh.decay[tid] = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + tid]);
+      total_decay += sh.b[(kChunk - 1) * kTile + tid];
+    }
     __syncthreads();
     uint32_t vf[4][4];
     detail::load_v_fragments(vf, sh.values, kLd16, vrow, lane);
     detail::state_update<kTile, X>(S, vf, sh.keys, kLd16, sh.decay, lane);
     __syncthreads();
   }
-  if (reverse && p.dh0 != nullptr) {
+  if (LOCAL) {
+    float* L = ws.segment_states + local_index * kTile * kTile;
+    detail::for_each_state_entry<kTile>(vrow, lane, [&](int j, int e, int value, int key) { L[key * kTile + value] = S[j][e]; });
+    if (tid < kTile) ws.segment_decay[local_index * kTile + tid] = total_decay;
+    return;
+  }
+  if (reverse && p.dh0 != nullptr && m == own_segments - 1) {
     detail::for_each_state_entry<kTile>(vrow, lane, [&](int j, int e, int value, int key) {
       if (key < kv && value < vv) p.dh0[state_at(p.dh0_stride, p.state_v_first, n, h, k0 + key, v0 + value)] = S[j][e];
     });
