@@ -93,13 +93,14 @@ class _LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (32, 96)])
-def test_no_intermediate_is_much_larger_than_inputs_and_states(K, V):
+def test_no_intermediate_is_much_larger_than_inputs_and_states(K, V, threads):
     """The largest intermediate stays within 2x of the largest of: q, v, the chunk-start states and
     the [.., C, C] intra-chunk matrix (the old body built [.., 4, 16, 16, K] weights, 16x q)."""
     B, T, H = 1, 256, 2
     x = make_inputs(B=B, T=T, H=H, K=K, V=V, seed=26)
     C = _chunked.chunk_size_for(T)
     bound = 2 * max(B * T * H * K, B * T * H * V, B * (T // C) * H * K * V, B * T * H * C)
+    threads(1)  # the mode sees only this thread's ops: no worker threads
     for backward in (False, True):
         mode = _LargestTensor()
         with mode:
@@ -111,14 +112,28 @@ def test_no_intermediate_is_much_larger_than_inputs_and_states(K, V):
         assert mode.largest <= bound, f"{'backward' if backward else 'forward'}: {mode.op} made {mode.largest} elements > {bound}"
 
 
-def test_head_groups_under_a_small_budget_give_the_same_result(monkeypatch):
-    x = make_inputs(B=2, T=100, H=5, K=16, V=8, seed=27, cu_seqlens=None)
-    whole = run_gla(x, backend="torch")
-    per_head = _chunked._working_set(_chunked.Layout(2, 100, None, 64, "cpu"), 16, 8, 4, True)
-    monkeypatch.setattr(_chunked, "WORKSET_BYTES", 2 * per_head)  # groups of 2 heads: 2 + 2 + 1
-    assert len(_chunked._head_groups(5, per_head)) == 3
-    grouped = run_gla(x, backend="torch")
-    check(grouped, whole, 1e-6, "head groups vs one group")
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test and restores it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_blocks_and_worker_threads_give_the_same_result(monkeypatch, threads):
+    """One block per scan step, and the heads split over worker threads, match one block in the
+    calling thread (batch and varlen)."""
+    for x in (make_inputs(B=2, T=200, H=5, K=16, V=8, seed=27),
+              make_inputs(B=1, T=300, H=3, K=16, V=24, seed=33, cu_seqlens=[0, 0, 20, 150, 300])):
+        threads(1)
+        whole = run_gla(x, backend="torch")
+        monkeypatch.setattr(_chunked, "CPU_BLOCK_BYTES", 1)
+        layout = _chunked.layout_for(*x["q"].shape[:2], x["cu_list"], 64, "cpu")
+        assert len(layout.step_blocks(1000, 1)) == len(layout.step_count) > 1
+        check(run_gla(x, backend="torch"), whole, 1e-6, "a block per step vs one block")
+        threads(2)
+        check(run_gla(x, backend="torch"), whole, 1e-6, "worker threads vs the calling thread")
+        monkeypatch.undo()
 
 
 # ---- each stage unit inside a reference pipeline ----
