@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gla
 from gla import _chunked, _torch_stages
 from oracle import NAMES, make_inputs, rel, run_gla, token_loop
+from stage_plugin import IntraPlugin
 
 
 def loop_of(x, dht=True):
@@ -171,69 +172,8 @@ def test_each_torch_stage_in_a_reference_pipeline(stage_inputs, stage, layout):
 
 
 # ---- a vendor's plug-in stage mixed with torch stages ----
-class _IntraPlugin:
-    """A test backend registered from Python, as a vendor's would be: it implements only the
-    fwd_intra stage (A, computed its own way: fp64, per chunk, from cumulative gates), on CPU."""
-
-    NAME = "test_intra_plugin"
-
-    def __init__(self):
-        from gla import _lib, _tensors
-        self._lib, self._tensors = _lib, _tensors
-        self.calls = []
-        self._keep = []
-
-    def _run(self, user_data, problem, message, capacity):
-        try:
-            p = problem.contents
-            self.calls.append(p.unit)
-            w = self._tensors.to_torch
-            q, k, g, A = w(p.q).double(), w(p.k).double(), w(p.g).double(), w(p.A)
-            if p.gate_per_head:
-                g = g[..., None].expand_as(q)
-            C = p.chunk_size
-            for n in range(p.N):
-                start, end = int(p.seq_offsets[n]), int(p.seq_offsets[n + 1])
-                row = 0 if p.varlen else n
-                for first in range(start, end, C):
-                    last = min(end, first + C)
-                    b = g[row, first:last].cumsum(0)  # [L, H, K]
-                    L = last - first
-                    later = torch.arange(L)[None, :] > torch.arange(L)[:, None]  # [t, s]: s after t
-                    span = (b[:, None] - b[None, :]).masked_fill(later[..., None, None], float("-inf"))
-                    a = torch.einsum("thk,shk,tshk->ths", q[row, first:last], k[row, first:last], torch.exp(span))
-                    block = torch.zeros(L, a.shape[1], C, dtype=torch.float64)
-                    block[:, :, :L] = a
-                    A[row, first:last] = (block * p.scale).float()
-            return self._lib.OK
-        except BaseException as e:  # noqa: BLE001 - nothing may cross into C
-            msg = f"{type(e).__name__}: {e}".encode()[: capacity - 1]
-            import ctypes
-            ctypes.memmove(message, msg + b"\0", len(msg) + 1)
-            return self._lib.BACKEND_ERROR
-
-    def register(self):
-        import ctypes
-        lib = self._lib
-        desc = lib.BackendDesc()
-        desc.abi_version = lib.ABI_VERSION
-        name = self.NAME.encode()
-        desc.name = name
-        desc.priority = 10
-        desc.device_mask = 1 << lib.DEVICE_CPU
-        desc.unit_mask = 1 << _torch_stages.UNIT_FWD_INTRA
-        run = lib.RunFn(self._run)
-        desc.available, desc.verify, desc.workspace_size = lib.AvailableFn(), lib.VerifyFn(), lib.WorkspaceFn()
-        desc.run = run
-        self._keep += [desc, name, run]
-        lib.raise_for(lib.library().gla_register_backend(ctypes.byref(desc)), "registering the test plug-in")
-
-    def unregister(self):
-        self._lib.raise_for(self._lib.library().gla_unregister_backend(self.NAME.encode()))
-
-
 def test_plugin_stage_mixes_with_torch_stages_and_the_log_names_who_ran_what(monkeypatch, capfd):
-    plugin = _IntraPlugin()
+    plugin = IntraPlugin()
     plugin.register()
     ran = []
     patched = {u: (lambda s, _f=f: (ran.append(_f.__name__), _f(s))[1]) for u, f in _torch_stages.RUN.items()}
@@ -246,7 +186,7 @@ def test_plugin_stage_mixes_with_torch_stages_and_the_log_names_who_ran_what(mon
         log = capfd.readouterr().err
     finally:
         plugin.unregister()
-    assert plugin.calls == [_torch_stages.UNIT_FWD_INTRA] * 2  # forward and backward pipelines
+    assert plugin.calls == [(_torch_stages.UNIT_FWD_INTRA, "cpu")] * 2  # forward and backward pipelines
     assert ran == ["cumsum", "fwd_h", "fwd_o",  # forward
                    "cumsum", "fwd_h", "bwd_dh", "bwd_dA", "bwd_dv", "bwd_dqk_intra", "bwd_dqkg"]  # backward
     assert (f"decision: stage pipeline: cumsum->torch fwd_h->torch fwd_intra->{plugin.NAME} fwd_o->torch"

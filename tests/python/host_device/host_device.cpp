@@ -130,7 +130,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size,
   return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), memory_format);
 }
 
-at::Tensor set_source(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
+at::Tensor& set_source(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
                       c10::IntArrayRef stride) {
   return at::native::set_storage_cpu_(self, std::move(source), offset, size, stride);
 }
