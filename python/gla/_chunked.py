@@ -370,7 +370,11 @@ def levels(q, k, gl, keep_factors: bool) -> List[Level]:
     out = []
     for w in _levels(C):
         h = w // 2
-        f = span_sums("pivot", gl, w).exp_().unflatten(-2, (C // w, w))
+        if w == 2:  # (s, p] is row 1 alone, (p, t] is empty: no matmul of 2 x 2 blocks
+            f = torch.ones_like(gl).unflatten(-2, (C // 2, 2))
+            torch.exp(gl[..., 1::2, :], out=f[..., 0, :])
+        else:
+            f = span_sums("pivot", gl, w).exp_().unflatten(-2, (C // w, w))
         ops = torch.empty_like(f) if keep_factors else f
         torch.mul(k.unflatten(-2, (C // w, w))[..., :h, :], f[..., :h, :], out=ops[..., :h, :])
         torch.mul(q.unflatten(-2, (C // w, w))[..., h:, :], f[..., h:, :], out=ops[..., h:, :])
@@ -386,6 +390,13 @@ def _quadrants(M: torch.Tensor, w: int) -> torch.Tensor:
     return blocks[..., half:, :half, :].movedim(-1, -3)
 
 
+def _products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b^T over the last dim, [.., n, K] x [.., m, K] -> [.., n, m] (1 x 1: a product and a sum)."""
+    if a.shape[-2] == 1:
+        return (a * b).sum(-1, keepdim=True)
+    return a @ b.transpose(-1, -2)
+
+
 def attention(q, k, gl, scale, lv: Optional[List[Level]] = None):
     """F3: A [..., C, C], A[t, s] = scale * sum_i q_ti k_si e^(b_ti - b_si) for s <= t, 0 above
     (the upper triangle is never computed: a select, not a mask product)."""
@@ -393,7 +404,7 @@ def attention(q, k, gl, scale, lv: Optional[List[Level]] = None):
     A = q.new_zeros(q.shape[:-1] + (C,))
     for level in (lv if lv is not None else levels(q, k, gl, False)):
         kop, qop = level.halves(level.ops)
-        _quadrants(A, level.w).copy_(qop @ kop.transpose(-1, -2))
+        _quadrants(A, level.w).copy_(_products(qop, kop))
     torch.diagonal(A, dim1=-2, dim2=-1).copy_((q * k).sum(-1))
     return A.mul_(scale)
 
@@ -410,10 +421,17 @@ def intra_gradients(q, k, gl, dA, dq, dk, dg, lv: Optional[List[Level]] = None):
         dAq = _quadrants(dA, w)
         m = torch.empty_like(level.ops)
         mk, mq = level.halves(m)
-        mk.copy_(dAq.transpose(-1, -2) @ qop)
-        mq.copy_(dAq @ kop)
+        if w == 2:  # 1 x 1 quadrants: products, not matmuls
+            torch.mul(dAq, qop, out=mk)
+            torch.mul(dAq, kop, out=mq)
+        else:
+            mk.copy_(dAq.transpose(-1, -2) @ qop)
+            mq.copy_(dAq @ kop)
         y = level.ops * m  # per row: its share of the pair terms, summed into dg below
-        dg.add_(span_sums("pair_dg", y.flatten(-3, -2), w))
+        if w == 2:  # the key row has no s < u in its block; the query row's sum is its own share
+            dg.unflatten(-2, (C // 2, 2))[..., 1, :].add_(y[..., 1, :])
+        else:
+            dg.add_(span_sums("pair_dg", y.flatten(-3, -2), w))
         m.mul_(level.factors)
         split = lambda x: x.unflatten(-2, (C // w, 2, w // 2))  # noqa: E731
         split(dq)[..., 1, :, :].add_(mq)
