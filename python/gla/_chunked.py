@@ -1,14 +1,24 @@
 """The chunked GLA algorithm (SPEC.md §2) written only with PyTorch tensor ops.
 
-This is the body of the portable `torch` backend: matmul, cumsum, exp and selects, nothing
-device-specific, so it runs wherever PyTorch runs (CPU, CUDA, Ascend NPU, Apple MPS, Intel XPU).
+This is the body of the portable `torch` backend: matmul, exp, adds and selects, nothing
+device-specific, so it runs wherever PyTorch runs (CPU, CUDA, Ascend NPU, Apple MPS, Intel XPU, any
+PrivateUse1 device).
 
 Layout. Every sequence (a batch row, or a cu_seqlens segment) is cut into chunks of C tokens, the
 last one zero-padded (a zero gate keeps the cumulative gate flat past the end, so a padded row holds
 b_last). Chunks are packed chunk-major, sequences sorted by chunk count: step c of the state scan
-owns one contiguous block holding chunk c of every sequence that has one, so the only Python loop
-over chunks is the sequential scan, one batched matmul per chunk over [sequences * H, K, V].
-Packed tensors are [chunks, H, C, D]; the math below works on any leading dims.
+owns one contiguous range of packed rows, chunk c of every sequence that has one, and the running
+state of those sequences is a prefix of one [N, H, K, V] tensor. Packed tensors are [rows, H, C, D];
+the chunk-local math below works on any leading dims.
+
+Blocks. The whole operations walk consecutive scan steps in blocks (Layout.step_blocks): a block's
+chunks are gathered from the caller's [B, T, H, D] tensors (Layout.load), all its chunk-local work
+runs as batched ops over the block, the scan steps of the block update the running state (three
+ops a step), and its results go straight into the caller's outputs (Layout.store). On accelerators
+a block is as large as BLOCK_BYTES allows (few, large kernels); on the CPU it is cache-sized and the
+heads are split over single-threaded worker threads (_by_heads). The forward keeps no per-chunk
+state; the backward keeps the chunk-start states h [chunks, H, K, V] (the one full-size
+intermediate, 2x q at C = 64, K = V = 128) and per block the gradient states of its chunks.
 
 Numerics (SPEC.md §3):
 - everything accumulates in fp32 (fp64 when the inputs are fp64, for gradcheck);
@@ -17,10 +27,10 @@ Numerics (SPEC.md §3):
   second half, key rows in the first) is one matmul of q_t e^(b_t - b_p) and k_s e^(b_p - b_s) with
   the pivot p the query half's first row (a sub-chunk boundary for widths >= 32, and inside the
   16-row diagonal blocks below that). Every pair s < t lies in exactly one quadrant, the diagonal
-  t = s needs no decay. No [.., 16, 16, K] expansion exists: the largest intermediate is [.., C, C];
+  t = s needs no decay. No [.., 16, 16, K] expansion exists: a level's operands are the size of q;
 - every exponent is a direct sum of the gates it spans (never a difference of two cumulative sums:
   with g = -7 per step b reaches -650 within a chunk, where fp32's spacing 6e-5 would put ~4e-5
-  relative error on every decay);
+  relative error on every decay), formed by span_sums;
 - the gate gradient is summed per quadrant (a pair s < t contributes to dg_u for s < u <= t)
   instead of as the reverse cumsum of q*dq - k*dk, whose large diagonal terms cancel (3e-5 error
   at n = 0.1, above SPEC's 1e-5);
@@ -28,9 +38,6 @@ Numerics (SPEC.md §3):
   (-104 in fp32, -746 in fp64), so no -inf - (-inf) arises;
 - masks are selects (upper triangles are never computed, only left at zero), never products
   with a 0/1 mask.
-
-Memory: the work is split into groups of heads so that one group's fp32 working set stays under
-WORKSET_BYTES; each group's results are written into the caller's outputs before the next starts.
 """
 from __future__ import annotations
 
@@ -46,12 +53,12 @@ import torch.nn.functional as F
 
 RCP_LN2 = 1.0 / math.log(2.0)  # gcum (a stage buffer) is in log2 units
 CHUNK = 64  # fla's chunk size, and the stage pipeline's
-# One block's working set (its chunks' inputs in chunk layout, temporaries, gradients): on
-# accelerators the whole problem in one block up to 1 GiB (few large kernels); on the CPU ~2 MiB so
-# that a block's passes stay in cache (T4096 H16 K=V=128 fp32 forward: 1.1 s unblocked, see
-# bench/results/torch_backend.md for the blocked time).
+# One block's working set (its chunks' inputs in chunk layout, temporaries, gradients), by
+# _row_bytes's estimate: on accelerators up to 1 GiB (few, large kernels; B8 T4096 H16 D128
+# backward: 5 blocks); on the CPU 8 MiB a worker, so that a block's passes stay in cache (2, 8 and
+# 32 MiB measured alike; unblocked passes over whole tensors ran 3-4x slower here).
 BLOCK_BYTES = 1 << 30
-CPU_BLOCK_BYTES = 2 << 20
+CPU_BLOCK_BYTES = 8 << 20
 
 
 def gate_floor(dtype: torch.dtype) -> float:
@@ -499,12 +506,10 @@ def state_scan(layout: Layout, weight, value, decay_whole, start, reverse: bool,
 # ------------------------------------------------------------------------------------------------
 def _running_state(layout: Layout, start, H, K, V, dtype, device) -> torch.Tensor:
     """[N, H, K, V] in sort order: `start` (sequence order) or zeros; the scans update its prefixes."""
+    state = torch.empty(layout.N, H, K, V, dtype=dtype, device=device)  # contiguous: its prefixes are views
     if start is None:
-        return torch.zeros(layout.N, H, K, V, dtype=dtype, device=device)
-    start = start.to(dtype)
-    if not layout.uniform:
-        start = start.index_select(0, layout.order_index())
-    return start.clone() if layout.uniform else start
+        return state.zero_()
+    return state.copy_(start if layout.uniform else start.index_select(0, layout.order_index()))
 
 
 def _sequence_order(layout: Layout, state: torch.Tensor) -> torch.Tensor:
@@ -549,7 +554,6 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     dq_out, dk_out, dv_out, dg_out, dh0_out = outs
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     counts, firsts = layout.step_count, layout.step_start
-    steps = len(counts)
     blocks = layout.step_blocks(_row_bytes(layout, H, K, V, cd, True), _block_budget(q.device))
     # B0: the state each chunk enters, h [chunks, H, K, V] (the one full-size intermediate)
     S = _running_state(layout, h0, H, K, V, cd, q.device)
@@ -735,8 +739,6 @@ def chunk_forward(q, k, v, g, scale: float, initial_state=None, seq_offsets=None
             final_kv.copy_(h0) if h0 is not None else final_kv.zero_()
         return o_out, final_out
     layout = layout_for(B, T, seq_offsets, chunk_size or chunk_size_for(lengths_max), q.device)
-    layout.step_blocks(_row_bytes(layout, H, K, V, cd, False), _block_budget(q.device))  # caches, before workers
-    heads = lambda t: t[:, :, hs] if t is not None else None  # noqa: E731
     _by_heads(H, q.device, lambda hs: _forward(
         layout, q[:, :, hs], k[:, :, hs], v[:, :, hs], g[:, :, hs], scale, h0[:, hs] if h0 is not None else None, cd,
         o_out[:, :, hs], final_kv[:, hs] if final_kv is not None else None))

@@ -21,9 +21,15 @@ CASES = {
 }
 
 
+# Built and loaded when this module is collected, before any test runs a backward: autograd's
+# engine sizes its per-device queues once, at the process's first backward, from the devices
+# registered then (a device loaded later fails an internal assert there). ~40 s on a fresh build.
+DEVICE = host_device.device()
+
+
 @pytest.fixture(scope="module")
 def device():
-    return host_device.device()  # builds the extension on first use (~40 s)
+    return DEVICE
 
 
 def on(device, x):
