@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -659,6 +660,16 @@ def _block_budget(device) -> int:
 
 _pools = {}
 _pools_lock = threading.Lock()
+
+
+def _forget_pools_in_child() -> None:
+    """A forked child has none of the parent's worker threads: it makes its own pools."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def _single_threaded(barrier: threading.Barrier) -> None:

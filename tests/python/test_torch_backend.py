@@ -1,7 +1,11 @@
 """The `torch` backend's own properties: g = -inf hard resets and strong decay against the fp64 token
 loop (on CPU, and on CUDA with the marker `cuda`), bounded intermediates (no tensor much larger than
-the inputs), head groups under a memory budget, every stage unit on its own inside a `reference`
-stage pipeline, and a plug-in stage registered from Python mixed with `torch` stages in one call."""
+the inputs), blocks of scan steps and CPU worker threads (also after a fork) giving the same result,
+every stage unit on its own inside a `reference` stage pipeline, and a plug-in stage registered from
+Python mixed with `torch` stages in one call."""
+import os
+import signal
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -135,6 +139,25 @@ def test_blocks_and_worker_threads_give_the_same_result(monkeypatch, threads):
         threads(2)
         check(run_gla(x, backend="torch"), whole, 1e-6, "worker threads vs the calling thread")
         monkeypatch.undo()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_with_its_own_worker_threads(threads):
+    """The parent's CPU workers do not exist in a forked child (a DataLoader worker): the child
+    makes its own instead of waiting on them forever."""
+    threads(2)
+    x = make_inputs(B=1, T=100, H=4, K=16, seed=34)
+    want = run_gla(x, backend="torch")  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 = same result, 3 = different, 4 = an error; killed after 60 s
+        code = 4
+        try:
+            signal.alarm(60)
+            code = 0 if rel(run_gla(x, backend="torch")[0], want[0]) < 1e-6 else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"child: {os.waitstatus_to_exitcode(status)} (-14: hung)"
 
 
 # ---- each stage unit inside a reference pipeline ----
