@@ -291,8 +291,6 @@ def _constant(kind: str, w: int, dtype: torch.dtype, device: str) -> torch.Tenso
     h = w // 2
     if kind == "pivot":  # rows s < h: the span (s, h]; rows t >= h: the span (h, t]
         m = torch.where(i < h, (j > i) & (j <= h), (j > h) & (j <= i))
-    elif kind == "pair_dg":  # rows u < h: sum over s < u; rows u >= h: sum over h..w-1 >= u
-        m = torch.where(i < h, j < i, (j >= i))
     elif kind == "decay":  # [2w, w]: rows t: the span [0, t]; rows w + s: the span (s, w - 1]
         m = torch.cat([j <= i, j > i])
     elif kind == "from":  # sum over rows >= u
@@ -419,32 +417,29 @@ def attention(q, k, gl, scale, lv: Optional[List[Level]] = None):
 
 def intra_gradients(q, k, gl, dA, dq, dk, dg, lv: Optional[List[Level]] = None):
     """B4 and the intra-chunk part of dg: adds into dq, dk, dg [..., C, K] the gradients through
-    A given dA [..., C, C] (scale included). dg_u gains every pair s < u <= t: per quadrant, the
-    query rows' sums over t >= u and the key rows' over s < u (the pair_dg matrix)."""
+    A given dA [..., C, C] (scale included). Per quadrant, mk = dA^T (q ops), mq = dA (k ops):
+    dk gains ek mk and dq eq mq, and dg_u every pair s < u <= t: on key rows the sum over s < u of
+    k ops * mk, on query rows the sum over t >= u of q ops * mq."""
     C = q.shape[-2]
     for level in (lv if lv is not None else levels(q, k, gl, True)):
         w = level.w
         kop, qop = level.halves(level.ops)
         ek, eq = level.halves(level.factors)
         dAq = _quadrants(dA, w)
-        m = torch.empty_like(level.ops)
-        mk, mq = level.halves(m)
         if w == 2:  # 1 x 1 quadrants: products, not matmuls
-            torch.mul(dAq, qop, out=mk)
-            torch.mul(dAq, kop, out=mq)
+            mk, mq = dAq * qop, dAq * kop
         else:
-            mk.copy_(dAq.transpose(-1, -2) @ qop)
-            mq.copy_(dAq @ kop)
-        y = level.ops * m  # per row: its share of the pair terms, summed into dg below
-        if w == 2:  # the key row has no s < u in its block; the query row's sum is its own share
-            dg.unflatten(-2, (C // 2, 2))[..., 1, :].add_(y[..., 1, :])
-        else:
-            dg.add_(span_sums("pair_dg", y.flatten(-3, -2), w))
-        m.mul_(level.factors)
+            mk, mq = dAq.transpose(-1, -2) @ qop, dAq @ kop
         split = lambda x: x.unflatten(-2, (C // w, 2, w // 2))  # noqa: E731
-        split(dq)[..., 1, :, :].add_(mq)
-        split(dk)[..., 0, :, :].add_(mk)
-        del m, mk, mq, y
+        dg_k, dg_q = split(dg)[..., 0, :, :], split(dg)[..., 1, :, :]
+        if w == 2:  # the key row has no s < u in its block; the query row's sum is its own term
+            dg_q.add_(qop * mq)
+        else:
+            dg_k.add_(span_sums("before", kop * mk, w // 2))
+            dg_q.add_(span_sums("from", qop * mq, w // 2))
+        split(dq)[..., 1, :, :].addcmul_(eq, mq)
+        split(dk)[..., 0, :, :].addcmul_(ek, mk)
+        del mk, mq
     diag = torch.diagonal(dA, dim1=-2, dim2=-1).unsqueeze(-1)
     dq.addcmul_(diag, k)
     dk.addcmul_(diag, q)
