@@ -60,3 +60,13 @@ class IntraPlugin:
 
     def unregister(self):
         _lib.raise_for(_lib.library().gla_unregister_backend(self.NAME.encode()))
+
+
+def record_torch_stages(monkeypatch) -> list:
+    """Turns on the dispatch log and returns the list that the `torch` stage units append their
+    names to as they run (for one test)."""
+    ran = []
+    patched = {u: (lambda s, _f=f: (ran.append(_f.__name__), _f(s))[1]) for u, f in _torch_stages.RUN.items()}
+    monkeypatch.setattr(_torch_stages, "RUN", patched)
+    monkeypatch.setenv("GLA_LOG", "dispatch")
+    return ran

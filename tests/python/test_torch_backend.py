@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gla
 from gla import _chunked, _torch_stages
 from oracle import NAMES, make_inputs, rel, run_gla, token_loop
-from stage_plugin import IntraPlugin
+from stage_plugin import IntraPlugin, record_torch_stages
 
 
 def loop_of(x, dht=True):
@@ -205,10 +205,7 @@ def test_each_torch_stage_in_a_reference_pipeline(stage_inputs, stage, layout):
 def test_plugin_stage_mixes_with_torch_stages_and_the_log_names_who_ran_what(monkeypatch, capfd):
     plugin = IntraPlugin()
     plugin.register()
-    ran = []
-    patched = {u: (lambda s, _f=f: (ran.append(_f.__name__), _f(s))[1]) for u, f in _torch_stages.RUN.items()}
-    monkeypatch.setattr(_torch_stages, "RUN", patched)
-    monkeypatch.setenv("GLA_LOG", "dispatch")
+    ran = record_torch_stages(monkeypatch)
     x = make_inputs(B=1, T=150, H=3, K=24, V=16, seed=30, cu_seqlens=[0, 40, 150])  # a shape no other test logs
     try:
         capfd.readouterr()

@@ -10,7 +10,7 @@ import torch
 import gla
 from gla import _lib, _torch_stages
 from oracle import NAMES, make_inputs, rel, run_gla
-from stage_plugin import IntraPlugin
+from stage_plugin import IntraPlugin, record_torch_stages
 
 import host_device
 
@@ -85,10 +85,7 @@ def test_forward_and_backward_match_reference(device, case):
 def test_plugin_stage_for_the_device_mixes_with_torch_stages(device, monkeypatch, capfd):
     plugin = IntraPlugin("test_host_device_intra", devices=(_lib.DEVICE_EXT,))
     plugin.register()
-    ran = []
-    patched = {u: (lambda s, _f=f: (ran.append(_f.__name__), _f(s))[1]) for u, f in _torch_stages.RUN.items()}
-    monkeypatch.setattr(_torch_stages, "RUN", patched)
-    monkeypatch.setenv("GLA_LOG", "dispatch")
+    ran = record_torch_stages(monkeypatch)
     x = make_inputs(B=1, T=130, H=2, K=12, V=20, seed=42, cu_seqlens=[0, 50, 130])  # a shape no other test logs
     want = run_gla(x, backend="reference")
     try:
