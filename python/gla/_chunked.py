@@ -285,7 +285,7 @@ def clamped_gate(g: torch.Tensor) -> torch.Tensor:
 # g is split into a part exact in 10 mantissa bits and the remainder, so the sums keep fp32
 # accuracy.
 @functools.lru_cache(maxsize=256)
-def _constant(kind: str, w: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+def _constant(kind: str, w: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     r = torch.arange(w)
     i, j = r[:, None], r[None, :]
     h = w // 2
@@ -315,16 +315,21 @@ def _matmul_may_round(device: torch.device) -> bool:
 def span_sums(kind: str, x: torch.Tensor, w: int) -> torch.Tensor:
     """M @ x over blocks of w rows: x [..., R, K] (R a multiple of w) -> [..., R * (rows of M) / w, K],
     with M the constant `kind` matrix."""
-    m = _constant(kind, w, x.dtype, str(x.device))
+    device = x.device
+    m = _constant(kind, w, x.dtype, device)
     blocks = x.reshape(-1, w, x.shape[-1])
-    mb = m.expand(blocks.shape[0], *m.shape)
-    if x.dtype == torch.float32 and _matmul_may_round(x.device):
+    mb = m.expand(blocks.shape[0], m.shape[0], w)
+    if x.dtype == torch.float32 and (device.type != "cpu" or _precision_reduced()) and _matmul_may_round(device):
         hi = blocks.to(torch.bfloat16).to(torch.float32)  # 8 mantissa bits: exact in TF32
         out = torch.bmm(mb, hi)
         out.baddbmm_(mb, blocks - hi)
     else:
         out = torch.bmm(mb, blocks)
     return out.view(*x.shape[:-2], x.shape[-2] // w * m.shape[0], x.shape[-1])
+
+
+def _precision_reduced() -> bool:
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 @dataclass
@@ -434,6 +439,11 @@ def intra_gradients(q, k, gl, dA, dq, dk, dg, lv: Optional[List[Level]] = None):
         dg_k, dg_q = split(dg)[..., 0, :, :], split(dg)[..., 1, :, :]
         if w == 2:  # the key row has no s < u in its block; the query row's sum is its own term
             dg_q.add_(qop * mq)
+        elif w == 4:  # halves of 2 rows: the sums are single adds, not matmuls of 2 x 2 blocks
+            yk, yq = kop * mk, qop * mq
+            dg_k[..., 1, :].add_(yk[..., 0, :])
+            dg_q[..., 0, :].add_(yq[..., 0, :]).add_(yq[..., 1, :])
+            dg_q[..., 1, :].add_(yq[..., 1, :])
         else:
             dg_k.add_(span_sums("before", kop * mk, w // 2))
             dg_q.add_(span_sums("from", qop * mq, w // 2))
