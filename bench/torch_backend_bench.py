@@ -12,11 +12,14 @@ peak memory of one forward+backward (peak allocated during it minus what was all
     GLA_LIBRARY=build/libgla.so PYTHONPATH=python python3 bench/torch_backend_bench.py --cuda
 
 Each case prints one line per contender: the median and the spread (min-max) over --repeat timed
-runs after one warm-up, and the ratio to the reference point.
+runs after one warm-up, and the ratio to the reference point; on the CPU also the load average (the
+machine may be shared: both contenders run in the same process, alternating cases, so the ratio is
+the number to read).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -63,13 +66,16 @@ def fla_call(backward):
 
 
 def time_cpu(fn, args, repeat):
+    """Wall-clock ms of each run, and the process CPU ms of each (all threads: what the run
+    computed, less sensitive than wall time to other processes on a shared machine)."""
     fn(*args)  # warm-up
-    times = []
+    times, cpu = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(*args)
         times.append((time.perf_counter() - t0) * 1e3)
-    return times
+        cpu.append((time.process_time() - c0) * 1e3)
+    return times, cpu
 
 
 def time_cuda(fn, args, repeat):
@@ -105,15 +111,24 @@ def report(label, times, ref=None):
     return med
 
 
+def load() -> str:
+    return "load average %.2f %.2f %.2f" % os.getloadavg()
+
+
 def cpu_main(args):
     torch.set_num_threads(args.threads)
     x = make(1, args.T, 16, 128, 128, torch.float32, "cpu")
     print(f"CPU, fp32, B1 T{args.T} H16 K=V=128, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"repeat {args.repeat}")
+          f"repeat {args.repeat}, {os.cpu_count()} CPUs, {load()}")
     for backward in (False, True):
         print("forward+backward" if backward else "forward")
-        ref = report("cpu backend", time_cpu(gla_call("cpu", backward), x, args.repeat))
-        report("torch backend", time_cpu(gla_call("torch", backward), x, args.repeat), ref)
+        ref_wall, ref_cpu = time_cpu(gla_call("cpu", backward), x, args.repeat)
+        wall, cpu = time_cpu(gla_call("torch", backward), x, args.repeat)
+        ref = report("cpu backend", ref_wall)
+        report("torch backend", wall, ref)
+        ref = report("cpu backend, CPU time", ref_cpu)
+        report("torch backend, CPU time", cpu, ref)
+        print(f"  ({load()})")
 
 
 def cuda_main(args):

@@ -48,7 +48,8 @@ def _run(entry, size_entry, args, opts, device, tensors) -> None:
         if size.value:
             workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
             opts.workspace, opts.workspace_bytes = workspace.data_ptr(), size.value
-        _lib.raise_for(entry(ctypes.byref(args), ctypes.byref(opts)))  # workspace stays alive until here
+        with _tensors.handed_over(workspace):  # stage buffers inside it resolve to views of it
+            _lib.raise_for(entry(ctypes.byref(args), ctypes.byref(opts)))  # workspace stays alive until here
 
 
 def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,

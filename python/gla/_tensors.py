@@ -102,7 +102,28 @@ def to_torch(d: _lib.Tensor) -> Optional[torch.Tensor]:
             if list(t.shape) == sizes and list(t.stride()) == strides:
                 return t
             return torch.as_strided(t, sizes, strides, t.storage_offset())
+    inside = _view_inside(table, d, dtype, sizes, strides)
+    if inside is not None:
+        return inside
     return _from_dlpack(d, dtype, sizes, strides)
+
+
+def _view_inside(table, d: _lib.Tensor, dtype, sizes, strides) -> Optional[torch.Tensor]:
+    """A view of the handed-over tensor whose storage holds d's memory (a stage buffer inside the
+    workspace), or None. This is what reaches memory of devices DLPack cannot wrap."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    for tensors in table.values():
+        for t in tensors:
+            if device_code(t.device) != d.device_type:
+                continue
+            storage = t.untyped_storage()
+            offset = d.data - storage.data_ptr()
+            if not 0 <= offset < storage.nbytes() or offset % esize:
+                continue
+            usable = storage.nbytes() - storage.nbytes() % esize
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (usable,), (1,))
+            return raw.view(dtype).as_strided(sizes, strides, offset // esize)
+    return None
 
 
 def _device_of(d: _lib.Tensor) -> torch.device:

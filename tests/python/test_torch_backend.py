@@ -1,7 +1,11 @@
 """The `torch` backend's own properties: g = -inf hard resets and strong decay against the fp64 token
 loop (on CPU, and on CUDA with the marker `cuda`), bounded intermediates (no tensor much larger than
-the inputs), head groups under a memory budget, every stage unit on its own inside a `reference`
-stage pipeline, and a plug-in stage registered from Python mixed with `torch` stages in one call."""
+the inputs), blocks of scan steps and CPU worker threads (also after a fork) giving the same result,
+every stage unit on its own inside a `reference` stage pipeline, and a plug-in stage registered from
+Python mixed with `torch` stages in one call."""
+import os
+import signal
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -9,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gla
 from gla import _chunked, _torch_stages
 from oracle import NAMES, make_inputs, rel, run_gla, token_loop
+from stage_plugin import IntraPlugin, record_torch_stages
 
 
 def loop_of(x, dht=True):
@@ -93,13 +98,14 @@ class _LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("K,V", [(64, 64), (32, 96)])
-def test_no_intermediate_is_much_larger_than_inputs_and_states(K, V):
+def test_no_intermediate_is_much_larger_than_inputs_and_states(K, V, threads):
     """The largest intermediate stays within 2x of the largest of: q, v, the chunk-start states and
     the [.., C, C] intra-chunk matrix (the old body built [.., 4, 16, 16, K] weights, 16x q)."""
     B, T, H = 1, 256, 2
     x = make_inputs(B=B, T=T, H=H, K=K, V=V, seed=26)
     C = _chunked.chunk_size_for(T)
     bound = 2 * max(B * T * H * K, B * T * H * V, B * (T // C) * H * K * V, B * T * H * C)
+    threads(1)  # the mode sees only this thread's ops: no worker threads
     for backward in (False, True):
         mode = _LargestTensor()
         with mode:
@@ -111,14 +117,54 @@ def test_no_intermediate_is_much_larger_than_inputs_and_states(K, V):
         assert mode.largest <= bound, f"{'backward' if backward else 'forward'}: {mode.op} made {mode.largest} elements > {bound}"
 
 
-def test_head_groups_under_a_small_budget_give_the_same_result(monkeypatch):
-    x = make_inputs(B=2, T=100, H=5, K=16, V=8, seed=27, cu_seqlens=None)
-    whole = run_gla(x, backend="torch")
-    per_head = _chunked._working_set(_chunked.Layout(2, 100, None, 64, "cpu"), 16, 8, 4, True)
-    monkeypatch.setattr(_chunked, "WORKSET_BYTES", 2 * per_head)  # groups of 2 heads: 2 + 2 + 1
-    assert len(_chunked._head_groups(5, per_head)) == 3
-    grouped = run_gla(x, backend="torch")
-    check(grouped, whole, 1e-6, "head groups vs one group")
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test and restores it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_blocks_and_worker_threads_give_the_same_result(monkeypatch, threads):
+    """One block per scan step, and the heads split over worker threads, match one block in the
+    calling thread (batch and varlen)."""
+    for x in (make_inputs(B=2, T=200, H=5, K=16, V=8, seed=27),
+              make_inputs(B=1, T=300, H=3, K=16, V=24, seed=33, cu_seqlens=[0, 0, 20, 150, 300])):
+        threads(1)
+        whole = run_gla(x, backend="torch")
+        monkeypatch.setattr(_chunked, "CPU_BLOCK_BYTES", 1)
+        layout = _chunked.layout_for(*x["q"].shape[:2], x["cu_list"], 64, "cpu")
+        assert len(layout.step_blocks(1000, 1)) == len(layout.step_count) > 1
+        check(run_gla(x, backend="torch"), whole, 1e-6, "a block per step vs one block")
+        threads(2)
+        check(run_gla(x, backend="torch"), whole, 1e-6, "worker threads vs the calling thread")
+        monkeypatch.undo()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_with_its_own_worker_threads(threads):
+    """The parent's CPU workers do not exist in a forked child (a DataLoader worker): the child
+    makes its own instead of waiting on them forever. (_chunked directly: autograd itself refuses
+    to run in a child forked after its device threads started.)"""
+    threads(2)
+    x = make_inputs(B=1, T=100, H=4, K=16, seed=34)
+
+    def run():
+        o, _ = _chunked.chunk_forward(x["q"], x["k"], x["v"], x["g"], 0.25, x["initial_state"])
+        dq = _chunked.chunk_backward(x["q"], x["k"], x["v"], x["g"], 0.25, x["initial_state"], do=x["do"])[0]
+        return o, dq
+
+    want = run()  # the parent's pool exists now
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 = same result, 3 = different, 4 = an error; killed after 60 s
+        code = 4
+        try:
+            signal.alarm(60)
+            code = 0 if all(rel(a, b) < 1e-6 for a, b in zip(run(), want)) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"child: {os.waitstatus_to_exitcode(status)} (-14: hung)"
 
 
 # ---- each stage unit inside a reference pipeline ----
@@ -156,74 +202,10 @@ def test_each_torch_stage_in_a_reference_pipeline(stage_inputs, stage, layout):
 
 
 # ---- a vendor's plug-in stage mixed with torch stages ----
-class _IntraPlugin:
-    """A test backend registered from Python, as a vendor's would be: it implements only the
-    fwd_intra stage (A, computed its own way: fp64, per chunk, from cumulative gates), on CPU."""
-
-    NAME = "test_intra_plugin"
-
-    def __init__(self):
-        from gla import _lib, _tensors
-        self._lib, self._tensors = _lib, _tensors
-        self.calls = []
-        self._keep = []
-
-    def _run(self, user_data, problem, message, capacity):
-        try:
-            p = problem.contents
-            self.calls.append(p.unit)
-            w = self._tensors.to_torch
-            q, k, g, A = w(p.q).double(), w(p.k).double(), w(p.g).double(), w(p.A)
-            if p.gate_per_head:
-                g = g[..., None].expand_as(q)
-            C = p.chunk_size
-            for n in range(p.N):
-                start, end = int(p.seq_offsets[n]), int(p.seq_offsets[n + 1])
-                row = 0 if p.varlen else n
-                for first in range(start, end, C):
-                    last = min(end, first + C)
-                    b = g[row, first:last].cumsum(0)  # [L, H, K]
-                    L = last - first
-                    later = torch.arange(L)[None, :] > torch.arange(L)[:, None]  # [t, s]: s after t
-                    span = (b[:, None] - b[None, :]).masked_fill(later[..., None, None], float("-inf"))
-                    a = torch.einsum("thk,shk,tshk->ths", q[row, first:last], k[row, first:last], torch.exp(span))
-                    block = torch.zeros(L, a.shape[1], C, dtype=torch.float64)
-                    block[:, :, :L] = a
-                    A[row, first:last] = (block * p.scale).float()
-            return self._lib.OK
-        except BaseException as e:  # noqa: BLE001 - nothing may cross into C
-            msg = f"{type(e).__name__}: {e}".encode()[: capacity - 1]
-            import ctypes
-            ctypes.memmove(message, msg + b"\0", len(msg) + 1)
-            return self._lib.BACKEND_ERROR
-
-    def register(self):
-        import ctypes
-        lib = self._lib
-        desc = lib.BackendDesc()
-        desc.abi_version = lib.ABI_VERSION
-        name = self.NAME.encode()
-        desc.name = name
-        desc.priority = 10
-        desc.device_mask = 1 << lib.DEVICE_CPU
-        desc.unit_mask = 1 << _torch_stages.UNIT_FWD_INTRA
-        run = lib.RunFn(self._run)
-        desc.available, desc.verify, desc.workspace_size = lib.AvailableFn(), lib.VerifyFn(), lib.WorkspaceFn()
-        desc.run = run
-        self._keep += [desc, name, run]
-        lib.raise_for(lib.library().gla_register_backend(ctypes.byref(desc)), "registering the test plug-in")
-
-    def unregister(self):
-        self._lib.raise_for(self._lib.library().gla_unregister_backend(self.NAME.encode()))
-
-
 def test_plugin_stage_mixes_with_torch_stages_and_the_log_names_who_ran_what(monkeypatch, capfd):
-    plugin = _IntraPlugin()
+    plugin = IntraPlugin()
     plugin.register()
-    ran = []
-    patched = {u: (lambda s, _f=f: (ran.append(_f.__name__), _f(s))[1]) for u, f in _torch_stages.RUN.items()}
-    monkeypatch.setattr(_torch_stages, "RUN", patched)
-    monkeypatch.setenv("GLA_LOG", "dispatch")
+    ran = record_torch_stages(monkeypatch)
     x = make_inputs(B=1, T=150, H=3, K=24, V=16, seed=30, cu_seqlens=[0, 40, 150])  # a shape no other test logs
     try:
         capfd.readouterr()
@@ -231,7 +213,7 @@ def test_plugin_stage_mixes_with_torch_stages_and_the_log_names_who_ran_what(mon
         log = capfd.readouterr().err
     finally:
         plugin.unregister()
-    assert plugin.calls == [_torch_stages.UNIT_FWD_INTRA] * 2  # forward and backward pipelines
+    assert plugin.calls == [(_torch_stages.UNIT_FWD_INTRA, "cpu")] * 2  # forward and backward pipelines
     assert ran == ["cumsum", "fwd_h", "fwd_o",  # forward
                    "cumsum", "fwd_h", "bwd_dh", "bwd_dA", "bwd_dv", "bwd_dqk_intra", "bwd_dqkg"]  # backward
     assert (f"decision: stage pipeline: cumsum->torch fwd_h->torch fwd_intra->{plugin.NAME} fwd_o->torch"

@@ -1,0 +1,106 @@
+"""The `torch` backend on a device type no native backend serves: gla.chunk_gla on tensors of the
+test-only PrivateUse1 device of host_device/ (host memory behind PyTorch's out-of-tree device
+mechanism, every op but factories, views and copies through PyTorch's CPU fallback). The
+dispatcher picks `torch` and says why the others decline, forward and backward match the
+`reference` backend on the same inputs on the CPU, and a vendor's plug-in stage for that device
+mixes with `torch` stages in one call."""
+import pytest
+import torch
+
+import gla
+from gla import _lib, _torch_stages
+from oracle import NAMES, make_inputs, rel, run_gla
+from stage_plugin import IntraPlugin, record_torch_stages
+
+import host_device
+
+CASES = {
+    "batch": dict(B=2, T=100, H=2, K=16, V=8),
+    "varlen": dict(B=1, T=150, H=2, K=16, V=24, cu_seqlens=[0, 7, 70, 150]),
+    "per-head gate, state_v_first": dict(B=2, T=80, H=2, K=8, V=8, per_head_gate=True, state_v_first=True),
+}
+
+
+# Built and loaded when this module is collected, before any test runs a backward: autograd's
+# engine sizes its per-device queues once, at the process's first backward, from the devices
+# registered then (a device loaded later fails an internal assert there). ~40 s on a fresh build.
+DEVICE = host_device.device()
+
+
+@pytest.fixture(scope="module")
+def device():
+    return DEVICE
+
+
+def on(device, x):
+    out = {}
+    for name, t in x.items():
+        out[name] = t.to(device) if isinstance(t, torch.Tensor) else t
+    return out
+
+
+def test_the_device_is_an_out_of_tree_device(device):
+    x = torch.arange(6.0).to(device)
+    assert x.device.type == host_device.NAME == torch._C._get_privateuse1_backend_name()
+    assert x.data_ptr() != 0
+    before = host_device.fallback_ops()
+    y = (x * 2).cpu()
+    assert host_device.fallback_ops() > before  # the multiply ran through the PrivateUse1 key
+    assert torch.equal(y, torch.arange(6.0) * 2)
+
+
+def test_dispatcher_picks_torch_and_says_why_the_others_decline(device):
+    x = on(device, make_inputs(**CASES["varlen"], seed=40))
+    for backward in (False, True):
+        text = gla.explain(x["q"], x["k"], x["v"], x["g"], cu_seqlens=x["cu_seqlens"], backward=backward)
+        assert "device=ext:0" in text, text
+        assert text.rstrip().splitlines()[-1] == "decision: torch (whole operation)", text
+        unit = "chunk_bwd" if backward else "chunk_fwd"
+        for b in gla.backends():
+            if b.name == "torch" or not b.available:
+                continue
+            section = text.split(f"backend '{b.name}'")[1].split("backend '")[0]
+            line = next(ln for ln in section.splitlines() if ln.strip().startswith(unit))
+            assert "declines:" in line and "device ext" in line, f"{b.name}: {line}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_backward_match_reference(device, case):
+    x = make_inputs(**CASES[case], seed=41)
+    want = run_gla(x, backend="reference")
+    before = host_device.fallback_ops()
+    got = run_gla(on(device, x))  # the dispatcher's choice: torch
+    assert host_device.fallback_ops() > before
+    for name, a, b in zip(NAMES, got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.device == device, f"{name} on {a.device}"
+        a = a.cpu()
+        assert torch.isfinite(a).all(), f"{name} has NaN/Inf"
+        err = rel(a, b)
+        assert err < 1e-5, f"{case}: {name} relative RMS error {err:.3e}"
+
+
+def test_plugin_stage_for_the_device_mixes_with_torch_stages(device, monkeypatch, capfd):
+    plugin = IntraPlugin("test_host_device_intra", devices=(_lib.DEVICE_EXT,))
+    plugin.register()
+    ran = record_torch_stages(monkeypatch)
+    x = make_inputs(B=1, T=130, H=2, K=12, V=20, seed=42, cu_seqlens=[0, 50, 130])  # a shape no other test logs
+    want = run_gla(x, backend="reference")
+    try:
+        capfd.readouterr()
+        got = run_gla(on(device, x), backend=f"torch,fwd_intra={plugin.NAME}")
+        log = capfd.readouterr().err
+    finally:
+        plugin.unregister()
+    assert plugin.calls == [(_torch_stages.UNIT_FWD_INTRA, host_device.NAME)] * 2  # forward and backward
+    assert ran == ["cumsum", "fwd_h", "fwd_o",
+                   "cumsum", "fwd_h", "bwd_dh", "bwd_dA", "bwd_dv", "bwd_dqk_intra", "bwd_dqkg"]
+    assert f"cumsum->torch fwd_h->torch fwd_intra->{plugin.NAME} fwd_o->torch" in log, log
+    assert (f"fwd_intra->{plugin.NAME} bwd_dh->torch bwd_dA->torch bwd_dv->torch bwd_dqk_intra->torch "
+            "bwd_dqkg->torch") in log, log
+    for name, a, b in zip(NAMES, got, want):
+        assert a.device == device
+        err = rel(a.cpu(), b)
+        assert err < 1e-5, f"plug-in fwd_intra + torch stages on the device: {name} relative RMS error {err:.3e}"
