@@ -31,8 +31,11 @@ extern "C" {
 #define GLA_API __attribute__((visibility("default")))
 #endif
 
-/* Version of this header's structs and callback tables. Bumped on any incompatible change. */
-#define GLA_ABI_VERSION 1
+/* Version of this header's structs and callback tables. Bumped when a table grows or changes;
+ * libgla accepts every version from GLA_ABI_VERSION_MIN (a table of an older version is read up to
+ * the fields that version had). */
+#define GLA_ABI_VERSION 2
+#define GLA_ABI_VERSION_MIN 1
 #define GLA_MAX_RANK 6
 
 /* ------------------------------------------------------------------------------------------ */
@@ -97,8 +100,9 @@ typedef enum gla_policy {
   GLA_POLICY_DEFAULT = 0,  /* the process default: GLA_POLICY from the environment, else priority */
   GLA_POLICY_PRIORITY = 1, /* first available, enabled, accepting backend in priority order */
   GLA_POLICY_FORCED = 2,   /* only the backend named in gla_options.backend */
-  GLA_POLICY_FASTEST = 3   /* measured choice per problem signature (falls back to priority until
-                              a measurement exists; see DESIGN.md) */
+  GLA_POLICY_FASTEST = 3   /* measured choice per problem signature: the first call of a signature
+                              times every accepting backend (or gla_tune does, ahead of time;
+                              GLA_TUNE_FILE keeps the winners across processes). docs/dispatch.md */
 } gla_policy;
 
 typedef struct gla_options {
@@ -359,6 +363,16 @@ GLA_API gla_status gla_backend_set_enabled(const char* name, int32_t enabled);
 GLA_API gla_status gla_explain(const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd,
                                const gla_options* options, const char** text);
 
+/* The `fastest` policy's measurement, ahead of time. Times every available, enabled backend that
+ * accepts this problem (whole operation, and the stage pipeline where a stage-only backend takes
+ * part) on these inputs, writing to scratch outputs (the given outputs are never written; their
+ * metadata chooses the signature), replaces the cached winner for the problem's signature (unit,
+ * device, dtypes, shape bucket, flags) and, when GLA_TUNE_FILE is set, writes the file. *text gets
+ * the explain() text with the measured times (owned by libgla, valid until the next call on this
+ * thread). Exactly one of fwd / bwd is non-NULL; options->backend must be unset. */
+GLA_API gla_status gla_tune(const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd,
+                            const gla_options* options, const char** text);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Backends from outside: plugins and language bindings                                         */
 /* ------------------------------------------------------------------------------------------ */
@@ -438,6 +452,26 @@ typedef struct gla_backend_desc {
                  size_t message_capacity);
   /* Optional: scratch bytes `run` wants for a whole-operation unit (0 if NULL). */
   size_t (*workspace_size)(void* user_data, const gla_problem* problem);
+  /* ---- abi_version >= 2 ---- */
+  /* Optional memory on the problem's device (for devices the host cannot read: workspaces, the
+   * stage pipeline's intermediates, the `fastest` policy's scratch outputs). NULL: host memory
+   * (aligned_alloc) for host-readable devices, none otherwise. allocate returns NULL on failure. */
+  void* (*allocate)(void* user_data, const gla_problem* problem, size_t bytes);
+  void (*deallocate)(void* user_data, const gla_problem* problem, void* pointer);
+  /* Optional: copies device memory to the host, waiting for it (cu_seqlens without a host copy,
+   * check_inputs). Returns a gla_status. NULL: memcpy for host-readable devices. */
+  int32_t (*copy_to_host)(void* user_data, const gla_problem* problem, const void* src, void* dst, size_t bytes);
+  /* Optional: waits until the work queued on problem->stream has finished. With it the `fastest`
+   * policy times this backend's device with the host clock around run + synchronize. */
+  int32_t (*synchronize)(void* user_data, const gla_problem* problem);
+  /* Optional: times one run with the device's own clock (events): calls run(context) between two
+   * device timestamps, waits for the second and stores the milliseconds in *ms. Returns a
+   * gla_status. Preferred over synchronize; the first backend serving a device with either times
+   * every candidate there. */
+  int32_t (*time_run)(void* user_data, const gla_problem* problem, void (*run)(void* context), void* context,
+                      double* ms);
+  /* Optional: 1 while problem->stream is being captured into a graph (no measuring then). */
+  int32_t (*stream_capturing)(void* user_data, const gla_problem* problem);
 } gla_backend_desc;
 
 /* Adds a backend to the registry (or replaces one of the same name). */

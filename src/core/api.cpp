@@ -210,6 +210,21 @@ gla_status gla_explain(const gla_chunk_forward_args* fwd, const gla_chunk_backwa
   });
 }
 
+gla_status gla_tune(const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd, const gla_options* options,
+                    const char** text) {
+  return guarded([&] {
+    if (!text) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "text: required output pointer is missing (got NULL)");
+    if ((fwd == nullptr) == (bwd == nullptr)) {
+      gla::fail(GLA_STATUS_INVALID_ARGUMENT, "tune: expected exactly one of fwd and bwd, got " +
+                                                 std::string(fwd ? "both" : "neither"));
+    }
+    const gla_options opts = gla::read_options(options);
+    gla::PreparedProblem prepared = fwd ? gla::prepare_forward(fwd, opts, false) : gla::prepare_backward(bwd, opts, false);
+    t_text = gla::tune(prepared, opts);
+    *text = t_text.c_str();
+  });
+}
+
 gla_status gla_register_backend(const gla_backend_desc* desc) {
   return guarded([&] {
     if (!desc) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "desc: required backend description is missing (got NULL)");

@@ -1,5 +1,6 @@
 #include "core/backend.hpp"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -27,6 +28,12 @@ std::string shape_string(const gla_tensor& t) {
   for (int i = 0; i < t.rank; ++i) s << (i ? ", " : "") << t.sizes[i];
   s << ']';
   return s.str();
+}
+
+double Backend::time_run_ms(const gla_problem& /*problem*/, const std::function<void()>& run) {
+  const auto start = std::chrono::steady_clock::now();
+  run();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
 void* Backend::allocate(const gla_problem& problem, size_t bytes) {

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -69,6 +70,15 @@ class Backend {
   // line for explain(); empty if there is nothing more to say than its name. Metadata only (the
   // sequence offsets are loaded).
   virtual std::string plan_note(const gla_problem& /*problem*/) const { return {}; }
+
+  // Timing for the `fastest` policy (src/core/tuner.hpp). can_time: whether time_run_ms measures
+  // work on the problem's device; the default times host memory with the host clock. time_run_ms
+  // runs `run` once and returns the milliseconds it took on the device (device backends: events on
+  // problem.stream). stream_capturing: work queued on problem.stream is being recorded into a graph
+  // (nothing may be measured then).
+  virtual bool can_time(const gla_problem& problem) const { return host_accessible(problem.device_type); }
+  virtual double time_run_ms(const gla_problem& problem, const std::function<void()>& run);
+  virtual bool stream_capturing(const gla_problem& /*problem*/) const { return false; }
 
   // Memory on the problem's device for workspaces and stage-pipeline intermediates. The default
   // serves host memory; device backends override.

@@ -394,6 +394,46 @@ class CudaBackend final : public Backend {
     }
   }
 
+  // The `fastest` policy's clock on CUDA devices: events on the call's stream around one run.
+  bool can_time(const gla_problem& p) const override { return p.device_type == GLA_DEVICE_CUDA; }
+  double time_run_ms(const gla_problem& p, const std::function<void()>& run) override {
+    DeviceGuard guard(p.device_index);
+    auto stream = static_cast<cudaStream_t>(p.stream);
+    cudaEvent_t start = nullptr, stop = nullptr;
+    cudaError_t err = cudaEventCreate(&start);
+    if (err == cudaSuccess) err = cudaEventCreate(&stop);
+    if (err == cudaSuccess) err = cudaEventRecord(start, stream);
+    if (err == cudaSuccess) {
+      try {
+        run();
+      } catch (...) {
+        cudaEventDestroy(start);
+        cudaEventDestroy(stop);
+        throw;
+      }
+      err = cudaEventRecord(stop, stream);
+    }
+    if (err == cudaSuccess) err = cudaEventSynchronize(stop);
+    float ms = -1;
+    if (err == cudaSuccess) err = cudaEventElapsedTime(&ms, start, stop);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      fail(GLA_STATUS_BACKEND_ERROR, std::string("timing with CUDA events failed: ") + cudaGetErrorString(err));
+    }
+    return ms;
+  }
+  bool stream_capturing(const gla_problem& p) const override {
+    if (p.device_type != GLA_DEVICE_CUDA) return false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(static_cast<cudaStream_t>(p.stream), &status) != cudaSuccess) {
+      cudaGetLastError();
+      return true;  // cannot tell: do not measure
+    }
+    return status != cudaStreamCaptureStatusNone;
+  }
+
   void* allocate(const gla_problem& p, size_t bytes) override {
     if (bytes == 0) return nullptr;
     DeviceGuard guard(p.device_index);
