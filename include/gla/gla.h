@@ -431,6 +431,46 @@ typedef struct gla_problem {
   gla_tensor state_slots, slot_error, token_states;
 } gla_problem;
 
+/* What a backend serves, declared as data: one record per set of units with the same conditions (a
+ * backend may have several, e.g. a forward and a backward with different dtypes). The default verifier
+ * accepts a problem when one record covering its unit and device accepts all of it, and otherwise
+ * returns every reason the records decline it; a backend adds imperative checks (its verify callback)
+ * only for what these fields cannot say. explain() prints the records. */
+#define GLA_FEATURE_VARLEN (1u << 0)         /* cu_seqlens */
+#define GLA_FEATURE_INITIAL_STATE (1u << 1)  /* initial_state (and dh0) */
+#define GLA_FEATURE_FINAL_STATE (1u << 2)    /* final_state (and dht) */
+#define GLA_FEATURE_STATE_V_FIRST (1u << 3)  /* states [N, H, V, K] */
+#define GLA_FEATURE_PER_KEY_GATE (1u << 4)   /* g [B, T, H, K] (the recurrent gk) */
+#define GLA_FEATURE_PER_HEAD_GATE (1u << 5)  /* g [B, T, H] */
+#define GLA_FEATURE_CHUNK_STATES (1u << 6)   /* the whole operations' saved chunk states (problem.h) */
+#define GLA_FEATURE_VALUE_GATE (1u << 7)     /* recurrent gv */
+#define GLA_FEATURE_REVERSE (1u << 8)        /* recurrent, last token first */
+#define GLA_FEATURE_STATE_POOL (1u << 9)     /* recurrent state update (state_slots) */
+#define GLA_FEATURE_TOKEN_STATES (1u << 10)  /* recurrent state update's token_states */
+#define GLA_FEATURE_ALL 0x7ffu
+/* Layout needs (gla_capability.layout). */
+#define GLA_LAYOUT_LAST_DIM_CONTIGUOUS (1u << 0) /* stride 1 in the last dimension of q, k, v, o, the
+                                                    per-key gate and their gradients */
+#define GLA_LAYOUT_CONTIGUOUS (1u << 1)          /* every tensor row-major contiguous */
+
+typedef struct gla_capability {
+  uint64_t unit_mask;   /* bit (1 << gla_unit) per unit this record covers */
+  uint64_t device_mask; /* bit (1 << gla_device_type) per device type */
+  int32_t min_compute_capability; /* CUDA: 10 * major + minor (80 = sm_80); 0 = none */
+  uint32_t dtype_mask;      /* bit (1 << gla_dtype) per dtype of q, k, v (o, do and their gradients) */
+  uint32_t gate_dtype_mask; /* bit (1 << gla_dtype) per dtype of the gates (and dg) */
+  int64_t k_min, k_max;     /* key width K within [k_min, k_max]; k_max 0 = no upper limit */
+  int64_t v_min, v_max;     /* value width V, likewise */
+  uint32_t features;        /* GLA_FEATURE_* the record serves; a problem using another is declined */
+  uint32_t layout;          /* GLA_LAYOUT_* needs */
+  uint32_t alignment;       /* bytes every tensor's data pointer must be a multiple of; 0 = none */
+  int32_t deterministic;    /* 1: the same inputs give bitwise the same outputs on every run */
+} gla_capability;
+
+/* The declaration of a registered backend: *records points at *count records owned by libgla,
+ * valid until the backend is unregistered or replaced. */
+GLA_API gla_status gla_backend_capabilities(const char* name, const gla_capability** records, int32_t* count);
+
 /* A backend described by callbacks. Every callback gets `user_data` back. Strings written into
  * `message` (capacity `message_capacity`) explain a decline or an error. */
 typedef struct gla_backend_desc {
@@ -472,6 +512,11 @@ typedef struct gla_backend_desc {
                       double* ms);
   /* Optional: 1 while problem->stream is being captured into a graph (no measuring then). */
   int32_t (*stream_capturing)(void* user_data, const gla_problem* problem);
+  /* The declaration (copied at registration). capability_count 0: one record made of device_mask and
+   * unit_mask that allows every dtype, size, feature but chunk states, and any layout (what a
+   * version-1 table gets). With records, device_mask and unit_mask must be their union. */
+  const gla_capability* capabilities;
+  int32_t capability_count;
 } gla_backend_desc;
 
 /* Adds a backend to the registry (or replaces one of the same name). */

@@ -225,6 +225,22 @@ gla_status gla_tune(const gla_chunk_forward_args* fwd, const gla_chunk_backward_
   });
 }
 
+gla_status gla_backend_capabilities(const char* name, const gla_capability** records, int32_t* count) {
+  return guarded([&] {
+    if (!records || !count) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "records, count: required output pointers are missing (got NULL)");
+    for (const auto& e : gla::Registry::instance().snapshot()) {
+      if (name && e.backend->name() == name) {
+        // The registry keeps the backend (and so its records) alive until it is removed or replaced.
+        const auto& all = e.backend->capabilities();
+        *records = all.data();
+        *count = static_cast<int32_t>(all.size());
+        return;
+      }
+    }
+    gla::fail(GLA_STATUS_INVALID_ARGUMENT, std::string("name: no backend named '") + (name ? name : "(null)") + "'");
+  });
+}
+
 gla_status gla_register_backend(const gla_backend_desc* desc) {
   return guarded([&] {
     if (!desc) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "desc: required backend description is missing (got NULL)");

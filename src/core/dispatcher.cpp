@@ -1,5 +1,6 @@
 #include "core/dispatcher.hpp"
 
+#include "core/capabilities.hpp"
 #include "core/tuner.hpp"
 
 #include <cstdio>
@@ -95,10 +96,6 @@ std::string decline_reason(const RegistryEntry& entry, const gla_problem& proble
     return std::string("does not serve device ") + device_type_name(problem.device_type);
   }
   if (!b.implements(unit)) return "does not implement " + std::string(gla_unit_name(unit));
-  if (!unit_is_stage(unit) && present(problem.h) && !b.handles_chunk_states()) {
-    return unit == GLA_UNIT_CHUNK_FWD ? "does not write saved chunk states (chunk_states)"
-                                      : "does not read saved chunk states (chunk_states)";
-  }
   Verdict v = b.verify(problem);
   if (!v.ok) return v.reason.empty() ? std::string("declined (no reason given)") : v.reason;
   return "";
@@ -349,6 +346,7 @@ std::string verdict_table(const PreparedProblem& prepared, const DispatchControl
     out << "backend '" << b.name() << "' (priority " << b.priority() << "): "
         << (e.availability.ok ? "available" : "unavailable (" + e.availability.reason + ")") << ", "
         << (e.enabled ? "enabled" : "disabled by " + e.disabled_by) << "\n";
+    for (const gla_capability& c : b.capabilities()) out << "    declares " << describe(c) << "\n";
     for (int32_t u : units) {
       const gla_problem p = problem_for_unit(prepared, u);
       std::string reason = decline_reason(e, p, u);

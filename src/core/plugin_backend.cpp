@@ -4,7 +4,9 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <vector>
 
+#include "core/capabilities.hpp"
 #include "core/registry.hpp"
 
 namespace gla {
@@ -22,27 +24,26 @@ std::string message_text(char (&message)[kMessageCapacity], const char* fallback
 
 class CallbackBackend final : public Backend {
  public:
-  explicit CallbackBackend(const gla_backend_desc& desc) : desc_(desc), name_(desc.name) {}
+  CallbackBackend(const gla_backend_desc& desc, std::vector<gla_capability> records)
+      : desc_(desc), name_(desc.name), records_(std::move(records)) {
+    desc_.capabilities = nullptr;  // copied into records_; the caller's array may go away
+  }
 
   std::string name() const override { return name_; }
   int priority() const override { return desc_.priority; }
-  bool serves_device(int32_t device_type) const override {
-    return device_type >= 0 && device_type < 64 && ((desc_.device_mask >> device_type) & 1u);
-  }
-  bool implements(int32_t unit) const override {
-    return unit >= 0 && unit < 64 && ((desc_.unit_mask >> unit) & 1u);
-  }
+  const std::vector<gla_capability>& capabilities() const override { return records_; }
   Verdict available() const override {
     if (!desc_.available) return Verdict::yes();
     char message[kMessageCapacity] = {0};
     if (desc_.available(desc_.user_data, message, sizeof message)) return Verdict::yes();
     return Verdict::no(message_text(message, "the plugin reports it is unavailable (no reason given)"));
   }
-  Verdict verify(const gla_problem& problem) const override {
-    if (!desc_.verify) return Verdict::yes();
+  // The verify callback: the plug-in's imperative checks, after the declaration's.
+  std::vector<std::string> check_more(const gla_problem& problem) const override {
+    if (!desc_.verify) return {};
     char message[kMessageCapacity] = {0};
-    if (desc_.verify(desc_.user_data, &problem, message, sizeof message)) return Verdict::yes();
-    return Verdict::no(message_text(message, "declined (no reason given)"));
+    if (desc_.verify(desc_.user_data, &problem, message, sizeof message)) return {};
+    return {message_text(message, "declined (no reason given)")};
   }
   void run(const gla_problem& problem) override {
     char message[kMessageCapacity] = {0};
@@ -111,6 +112,7 @@ class CallbackBackend final : public Backend {
  private:
   gla_backend_desc desc_;
   std::string name_;
+  std::vector<gla_capability> records_;
 };
 
 }  // namespace
@@ -133,7 +135,28 @@ std::unique_ptr<Backend> make_callback_backend(const gla_backend_desc& given) {
     fail(GLA_STATUS_INVALID_ARGUMENT, "desc.name: expected a non-empty backend name, got none");
   }
   if (desc.run == nullptr) fail(GLA_STATUS_INVALID_ARGUMENT, "desc.run: expected a run callback, got NULL");
-  return std::make_unique<CallbackBackend>(desc);
+  if (desc.capability_count < 0 || (desc.capability_count > 0 && desc.capabilities == nullptr)) {
+    fail(GLA_STATUS_INVALID_ARGUMENT, "desc.capabilities: expected capability_count records, got " +
+                                          std::string(desc.capability_count < 0 ? "a negative count" : "NULL"));
+  }
+  std::vector<gla_capability> records(desc.capabilities, desc.capabilities + desc.capability_count);
+  if (records.empty()) {
+    records.push_back(open_capability(desc.unit_mask, desc.device_mask));
+  } else {
+    uint64_t units = 0, devices = 0;
+    for (const auto& c : records) {
+      units |= c.unit_mask;
+      devices |= c.device_mask;
+    }
+    if (units != desc.unit_mask || devices != desc.device_mask) {
+      fail(GLA_STATUS_INVALID_ARGUMENT, "desc.unit_mask / desc.device_mask: expected the union of the capability records (" +
+                                            std::to_string(units) + " / " + std::to_string(devices) + "), got " +
+                                            std::to_string(desc.unit_mask) + " / " + std::to_string(desc.device_mask));
+    }
+  }
+  const std::string malformed = declaration_error(records);
+  if (!malformed.empty()) fail(GLA_STATUS_INVALID_ARGUMENT, "desc." + malformed);
+  return std::make_unique<CallbackBackend>(desc, std::move(records));
 }
 
 }  // namespace gla

@@ -1,6 +1,10 @@
 """Dispatch from Python: the `fastest` policy (gla.tune ahead of time, chunk_gla under
-gla.policy("fastest") served by the measured winner, the torch backend among the candidates)."""
+gla.policy("fastest") served by the measured winner, the torch backend among the candidates) and the
+declared capabilities (gla.capabilities), tested by looping over gla.backends()."""
 import re
+
+import pytest
+import torch
 
 import gla
 from oracle import make_inputs, rel, run_gla
@@ -48,3 +52,70 @@ def test_tune_refuses_a_forced_backend():
             assert "tune: expected no forced backend" in str(e)
         else:
             raise AssertionError("tune with a forced backend was accepted")
+
+
+# ---- declared capabilities, looping over gla.backends() ----
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 5e-3}
+
+
+def _host_chunk_records():
+    """(backend, record) for every available backend's records that serve the whole chunked
+    operation on host memory."""
+    for info in gla.backends():
+        if not info.available:
+            continue
+        for record in gla.capabilities(info.name):
+            if "cpu" in record["devices"] and "chunk_fwd" in record["units"] and "chunk_bwd" in record["units"]:
+                yield info.name, record
+
+
+def test_every_backend_declares_something():
+    for info in gla.backends():
+        records = gla.capabilities(info.name)
+        assert records, info.name
+        for r in records:
+            assert r["units"] and r["devices"] and r["dtypes"] and r["k"][0] >= 1, (info.name, r)
+
+
+def test_declared_ranges_run_and_match_reference():
+    seen = set()
+    for name, record in _host_chunk_records():
+        seen.add(name)
+        K = record["k"][1] or 24
+        V = record["v"][1] or 20
+        for dtype in record["dtypes"]:
+            if dtype not in record["gate_dtypes"] and "float32" not in record["gate_dtypes"]:
+                continue
+            x = make_inputs(B=2, T=45, H=2, K=K, V=V, dtype=_DTYPES[dtype], seed=3,
+                            initial_state="initial_state" in record["features"])
+            got = run_gla(x, output_final_state="final_state" in record["features"], backend=name)
+            want = run_gla(x, output_final_state="final_state" in record["features"], backend="reference")
+            for a, b in zip(got, want):
+                if b is not None:
+                    assert rel(a, b) < _TOL[dtype], (name, dtype)
+    assert {"reference", "torch"} <= seen
+
+
+def test_declared_limits_decline_with_the_reason():
+    checked = 0
+    for name, record in _host_chunk_records():
+        for dtype in set(_DTYPES) - set(record["dtypes"]):
+            x = make_inputs(B=1, T=20, H=1, K=record["k"][0], V=record["v"][0], dtype=_DTYPES[dtype])
+            with pytest.raises(Exception, match=f"dtype {dtype} not declared"):
+                run_gla(x, backend=name)
+            checked += 1
+        if record["k"][1]:
+            x = make_inputs(B=1, T=20, H=1, K=record["k"][1] + 1, V=record["v"][0])
+            with pytest.raises(Exception, match=f"K={record['k'][1] + 1} outside the declared"):
+                run_gla(x, backend=name)
+            checked += 1
+    if checked == 0:
+        pytest.skip("no available backend declares a limit on host memory (the example plug-in does: build it)")
+
+
+def test_explain_prints_the_declarations():
+    text = gla.explain(X["q"], X["k"], X["v"], X["g"])
+    for info in gla.backends():
+        block = text.split(f"backend '{info.name}' (priority {info.priority})", 1)[1]
+        assert block.split("\n", 2)[1].startswith("    declares "), info.name
