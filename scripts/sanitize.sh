@@ -12,7 +12,7 @@ FUZZ_SECONDS=${FUZZ_SECONDS:-30}
 # The C++ tests whose code paths the sanitizers check: validation and every bad-input class, the
 # registry and plug-ins, workspaces, saved chunk states, hard-reset gates, the command line, and the
 # cpu backend on one grid slice. The whole grid under ASan is ~10x its plain time.
-ASAN_TESTS=${ASAN_TESTS:-'Validation*:InputCheck*:Overflow*:OptionsSize*:Overlap*:CallbackMessages*:Cli*:Registry*:Plugins*:Fastest*:Workspace*:ChunkStates*:HardReset*:Concurrency*:Oracle*:Reference*:CpuBackend.StridedInputsAndStates:CpuBackend.StagesMixWithReferenceStages:CpuBackend.PartialGradientRequests'}
+ASAN_TESTS=${ASAN_TESTS:-'Validation*:InputCheck*:Overflow*:OptionsSize*:Overlap*:CallbackMessages*:Cli*:Registry*:Plugins*:Fastest*:Capabilit*:Workspace*:ChunkStates*:HardReset*:Concurrency*:Oracle*:Reference*:CpuBackend.StridedInputsAndStates:CpuBackend.StagesMixWithReferenceStages:CpuBackend.PartialGradientRequests'}
 TSAN_TESTS=${TSAN_TESTS:-'Concurrency*:Registry.ConcurrentCallsWhileRegistering:FastestStress*:Fastest.ConcurrentFirstCallsMeasureOnce'}
 
 configure() {  # dir, sanitizer flags

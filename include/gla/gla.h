@@ -524,13 +524,25 @@ GLA_API gla_status gla_register_backend(const gla_backend_desc* desc);
 /* Removes a backend registered through gla_register_backend. */
 GLA_API gla_status gla_unregister_backend(const char* name);
 
-/* Plugins: a shared library that exports
- *     gla_status gla_plugin_register(void);
- * which calls gla_register_backend for each backend it brings. gla_load_plugin loads one (the
- * library stays loaded for the life of the process: the registry keeps its callbacks). The
- * environment variable GLA_PLUGINS=path:path:... loads plugins when the registry is first used; a
- * plugin that fails to load there is reported on stderr and skipped. */
+/* Plugins: a shared library that exports two functions,
+ *     uint32_t gla_plugin_abi_version(void);   the GLA_ABI_VERSION it was built against
+ *     gla_status gla_plugin_register(void);    calls gla_register_backend for each backend it brings
+ * (GLA_PLUGIN_DEFINE_ABI_VERSION() defines the first). gla_load_plugin loads one and refuses it with
+ * a message naming the reason when a symbol is missing, when its version is outside
+ * GLA_ABI_VERSION_MIN..GLA_ABI_VERSION, or when its registration fails (then the backends it
+ * registered before failing are removed again); the library stays loaded for the life of the
+ * process (the registry keeps its callbacks) and the process carries on. The environment variable
+ * GLA_PLUGINS=path:path:... loads plugins when the registry is first used; a plugin that fails to
+ * load there is reported on stderr and skipped. docs/writing-a-backend.md is the guide. */
 #define GLA_PLUGIN_ENTRY_POINT "gla_plugin_register"
+#define GLA_PLUGIN_ABI_ENTRY_POINT "gla_plugin_abi_version"
+#if defined(_WIN32)
+#define GLA_PLUGIN_EXPORT __declspec(dllexport)
+#else
+#define GLA_PLUGIN_EXPORT __attribute__((visibility("default")))
+#endif
+#define GLA_PLUGIN_DEFINE_ABI_VERSION() \
+  GLA_PLUGIN_EXPORT uint32_t gla_plugin_abi_version(void) { return GLA_ABI_VERSION; }
 GLA_API gla_status gla_load_plugin(const char* path);
 
 #ifdef __cplusplus

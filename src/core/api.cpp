@@ -244,7 +244,10 @@ gla_status gla_backend_capabilities(const char* name, const gla_capability** rec
 gla_status gla_register_backend(const gla_backend_desc* desc) {
   return guarded([&] {
     if (!desc) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "desc: required backend description is missing (got NULL)");
-    gla::Registry::instance().add(gla::make_callback_backend(*desc));
+    auto backend = gla::make_callback_backend(*desc);
+    const std::string name = backend->name();
+    gla::Registry::instance().add(std::move(backend));
+    gla::note_registration(name);
   });
 }
 

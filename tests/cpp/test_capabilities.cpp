@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -302,8 +303,15 @@ class Capabilities : public ::testing::Test {
     static const gla_capability record = narrow_record();
     const gla_backend_desc d = narrow_desc(&record, 1);
     ASSERT_EQ(gla_register_backend(&d), GLA_STATUS_OK) << gla_last_error();
+    // The vendor example, when the CTest ExamplePlugin.SDK has built it against the installed package.
+    if (const char* plugin = std::getenv("GLA_EXAMPLE_STAGE_PLUGIN")) {
+      ASSERT_EQ(gla_load_plugin(plugin), GLA_STATUS_OK) << gla_last_error();
+    }
   }
-  void TearDown() override { gla_unregister_backend("declared_narrow"); }
+  void TearDown() override {
+    gla_unregister_backend("declared_narrow");
+    if (std::getenv("GLA_EXAMPLE_STAGE_PLUGIN")) gla_unregister_backend("example_stage");
+  }
 };
 
 TEST_F(Capabilities, EveryBackendAndUnitAcceptsItsDeclaredRangesAndDeclinesOutside) {

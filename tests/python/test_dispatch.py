@@ -1,12 +1,14 @@
 """Dispatch from Python: the `fastest` policy (gla.tune ahead of time, chunk_gla under
 gla.policy("fastest") served by the measured winner, the torch backend among the candidates) and the
 declared capabilities (gla.capabilities), tested by looping over gla.backends()."""
+import pathlib
 import re
 
 import pytest
 import torch
 
 import gla
+from gla import _ops
 from oracle import make_inputs, rel, run_gla
 
 X = make_inputs(B=1, T=150, H=2, K=16, seed=11)
@@ -97,21 +99,56 @@ def test_declared_ranges_run_and_match_reference():
     assert {"reference", "torch"} <= seen
 
 
-def test_declared_limits_decline_with_the_reason():
+# The vendor example, built against the installed package by the CTest ExamplePlugin.SDK (which
+# CI runs before pytest).
+_EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "build" / "sdk" / "plugin" / "libgla_example_stage.so"
+
+
+@pytest.fixture
+def example_plugin():
+    if not _EXAMPLE.exists():
+        pytest.skip(f"{_EXAMPLE} not built: the CTest ExamplePlugin.SDK builds it")
+    gla.load_plugin(str(_EXAMPLE))
+    yield "example_stage"
+    _ops.ensure_loaded().gla_unregister_backend(b"example_stage")
+
+
+def test_declared_limits_decline_with_the_reason(example_plugin):
+    """Every available backend's host records, whole operation or stage: just past a declared K or
+    V, or in an undeclared dtype or gate dtype, the forced call fails naming it."""
     checked = 0
-    for name, record in _host_chunk_records():
-        for dtype in set(_DTYPES) - set(record["dtypes"]):
-            x = make_inputs(B=1, T=20, H=1, K=record["k"][0], V=record["v"][0], dtype=_DTYPES[dtype])
-            with pytest.raises(Exception, match=f"dtype {dtype} not declared"):
-                run_gla(x, backend=name)
-            checked += 1
-        if record["k"][1]:
-            x = make_inputs(B=1, T=20, H=1, K=record["k"][1] + 1, V=record["v"][0])
-            with pytest.raises(Exception, match=f"K={record['k'][1] + 1} outside the declared"):
-                run_gla(x, backend=name)
-            checked += 1
-    if checked == 0:
-        pytest.skip("no available backend declares a limit on host memory (the example plug-in does: build it)")
+    for info in gla.backends():
+        for record in gla.capabilities(info.name) if info.available else []:
+            if "cpu" not in record["devices"]:
+                continue
+            unit = record["units"][0]
+            spec = info.name if unit in ("chunk_fwd", "chunk_bwd") else f"{unit}={info.name}"
+            k, v = record["k"][0], record["v"][0]
+            probes = []
+            if record["k"][1]:
+                probes.append((dict(K=record["k"][1] + 1, V=v), f"K={record['k'][1] + 1} outside the declared"))
+            if record["v"][1]:
+                probes.append((dict(K=k, V=record["v"][1] + 1), f"V={record['v'][1] + 1} outside the declared"))
+            for dtype in set(_DTYPES) - set(record["dtypes"]):
+                probes.append((dict(K=k, V=v, dtype=_DTYPES[dtype], gate_dtype=torch.float32), f"dtype {dtype} not declared"))
+            for dtype in set(record["dtypes"]) - set(record["gate_dtypes"]) - {"float32"}:
+                probes.append((dict(K=k, V=v, dtype=_DTYPES[dtype]), f"g dtype {dtype} not declared"))
+            for kwargs, reason in probes:
+                x = make_inputs(B=1, T=20, H=1, seed=4, **kwargs)
+                with pytest.raises((ValueError, TypeError, RuntimeError), match=reason):
+                    run_gla(x, backend=spec)
+                checked += 1
+    assert checked >= 2  # the example plug-in's K limit and its gate dtype at least
+
+
+def test_example_plugin_mixes_its_stage_with_the_built_in_backends(example_plugin):
+    x = make_inputs(B=1, T=150, H=2, K=16, gate_dtype=torch.float32, seed=8)
+    text = gla.explain(x["q"], x["k"], x["v"], x["g"], initial_state=x["initial_state"], output_final_state=True)
+    assert "decision: stage pipeline: cumsum->example_stage" in text, text
+    got, want = run_gla(x), run_gla(x, backend="reference")
+    for a, b in zip(got, want):
+        if b is not None:
+            assert rel(a, b) < 1e-5
 
 
 def test_explain_prints_the_declarations():
