@@ -156,3 +156,28 @@ def test_explain_prints_the_declarations():
     for info in gla.backends():
         block = text.split(f"backend '{info.name}' (priority {info.priority})", 1)[1]
         assert block.split("\n", 2)[1].startswith("    declares "), info.name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU `fastest` check runs on an NVIDIA GPU")
+def test_fastest_picks_cuda_for_a_gpu_input():
+    """On a GPU the candidates are `cuda` and `torch` (reference serves host memory only), timed with
+    CUDA events on the current stream: the cuda kernels win and explain() shows both times."""
+    if not any(b.name == "cuda" and b.available for b in gla.backends()):
+        pytest.skip("this libgla has no usable cuda backend")
+    x = make_inputs(B=2, T=4096, H=16, K=128, dtype=torch.bfloat16, gate_dtype=torch.float32, seed=2, device="cuda")
+    text = gla.tune(x["q"], x["k"], x["v"], x["g"], initial_state=x["initial_state"], output_final_state=True)
+    print(text)
+    times = _times(text)
+    assert {"cuda", "torch"} <= set(times), text
+    assert "decision: cuda (whole operation)" in text, text
+    back = gla.tune(x["q"], x["k"], x["v"], x["g"], initial_state=x["initial_state"], output_final_state=True,
+                    backward=True)
+    print(back)
+    assert "decision: cuda (whole operation)" in back, back
+    with gla.policy("fastest"):
+        got = run_gla(x)
+    want = run_gla(x, backend="torch")
+    for a, b in zip(got, want):
+        if b is not None:
+            assert rel(a, b) < 2e-2
