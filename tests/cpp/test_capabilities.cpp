@@ -21,20 +21,8 @@ using namespace gla::test;
 namespace {
 
 // ---- a declared callback backend: the whole forward, narrow ranges, delegating to `reference` ----
-const gla_tensor* maybe(const gla_tensor& t) { return (t.data || t.rank) ? &t : nullptr; }
-
 int32_t narrow_run(void*, const gla_problem* p, char* message, size_t capacity) {
-  gla_chunk_forward_args a{&p->q, &p->k, &p->v, &p->g, maybe(p->initial_state), nullptr, nullptr, &p->o,
-                           maybe(p->final_state)};
-  gla_options o;
-  gla_options_init(&o);
-  o.backend = "reference";
-  o.has_scale = 1;
-  o.scale = p->scale;
-  o.state_v_first = p->state_v_first;
-  const gla_status s = gla_chunk_forward(&a, &o);
-  if (s != GLA_STATUS_OK) std::snprintf(message, capacity, "%s", gla_last_error());
-  return s;
+  return forward_on(*p, "reference", message, capacity);
 }
 
 gla_capability narrow_record() {

@@ -16,16 +16,6 @@ namespace {
 
 const char* plugin_path() { return std::getenv("GLA_EXAMPLE_STAGE_PLUGIN"); }
 
-std::string run_command(const std::string& command) {
-  std::string out;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (!pipe) return out;
-  char buffer[512];
-  while (fgets(buffer, sizeof buffer, pipe)) out += buffer;
-  pclose(pipe);
-  return out;
-}
-
 class ExamplePlugin : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -20,20 +20,8 @@ namespace {
 
 #ifdef GLA_TESTS_WITH_CUDA
 
-const gla_tensor* maybe(const gla_tensor& t) { return (t.data || t.rank) ? &t : nullptr; }
-
 int32_t cuda_plus_5ms(void*, const gla_problem* p, char* message, size_t capacity) {
-  gla_chunk_forward_args a{&p->q, &p->k, &p->v, &p->g, maybe(p->initial_state), nullptr, nullptr, &p->o,
-                           maybe(p->final_state)};
-  gla_options o;
-  gla_options_init(&o);
-  o.backend = "cuda";
-  o.has_scale = 1;
-  o.scale = p->scale;
-  o.state_v_first = p->state_v_first;
-  o.stream = p->stream;
-  const gla_status s = gla_chunk_forward(&a, &o);
-  if (s != GLA_STATUS_OK) std::snprintf(message, capacity, "%s", gla_last_error());
+  const gla_status s = forward_on(*p, "cuda", message, capacity);
   std::this_thread::sleep_for(std::chrono::milliseconds(5));
   return s;
 }

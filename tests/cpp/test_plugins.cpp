@@ -19,17 +19,6 @@ bool listed(const std::string& name) {
   return false;
 }
 
-// GLA_PLUGINS is read when the registry is first used, so it is checked in a fresh process.
-std::string run_command(const std::string& command) {
-  std::string out;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (!pipe) return out;
-  char buffer[512];
-  while (fgets(buffer, sizeof buffer, pipe)) out += buffer;
-  pclose(pipe);
-  return out;
-}
-
 TEST(Plugins, LoadedPluginServesWhenForcedAndDeclinesWithItsReason) {
   ASSERT_EQ(gla_load_plugin(GLA_EXAMPLE_PLUGIN), GLA_STATUS_OK) << gla_last_error();
   EXPECT_TRUE(listed("example_plugin"));
