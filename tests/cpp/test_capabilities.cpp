@@ -201,26 +201,18 @@ std::vector<Probe> declined_probes(const gla_capability& c, int32_t unit) {
     x.gate_f32 = true;
     if (x.dtype != GLA_DTYPE_F32) add(x, "undeclared gate dtype float32", "dtype float32 not declared");
   }
-  if (c.k_max > 0) {
-    Case x = b;
-    x.K = c.k_max + 1;
-    add(x, "K past the declared maximum", "K=" + std::to_string(c.k_max + 1) + " outside the declared");
-  }
-  if (c.k_min > 1) {
-    Case x = b;
-    x.K = c.k_min - 1;
-    add(x, "K below the declared minimum", "K=" + std::to_string(c.k_min - 1) + " outside the declared");
-  }
-  if (c.v_max > 0) {
-    Case x = b;
-    x.V = c.v_max + 1;
-    add(x, "V past the declared maximum", "V=" + std::to_string(c.v_max + 1) + " outside the declared");
-  }
-  if (c.v_min > 1) {
-    Case x = b;
-    x.V = c.v_min - 1;
-    add(x, "V below the declared minimum", "V=" + std::to_string(c.v_min - 1) + " outside the declared");
-  }
+  // One past each end of the declared K and V ranges (an open end has nothing past it).
+  auto past = [&](int64_t Case::*width, const char* name, int64_t lo, int64_t hi) {
+    for (const int64_t w : {hi > 0 ? hi + 1 : 0, lo > 1 ? lo - 1 : 0}) {
+      if (w == 0) continue;
+      Case x = b;
+      x.*width = w;
+      add(x, std::string(name) + " outside the declared range",
+          std::string(name) + "=" + std::to_string(w) + " outside the declared");
+    }
+  };
+  past(&Case::K, "K", c.k_min, c.k_max);
+  past(&Case::V, "V", c.v_min, c.v_max);
   if (!(c.features & GLA_FEATURE_VARLEN)) {
     Case x = b;
     x.B = 1; x.cu_seqlens = {0, 13, 40};
