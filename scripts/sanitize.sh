@@ -3,7 +3,7 @@
 #   build-asan  core + reference + cpu backends with AddressSanitizer + UndefinedBehaviorSanitizer
 #               (and libFuzzer coverage): the C++ tests named in ASAN_TESTS, then each libFuzzer
 #               target for FUZZ_SECONDS from its seed corpus (tests/fuzz/corpus).
-#   build-tsan  the same with ThreadSanitizer: the concurrency tests.
+#   build-tsan  the same with ThreadSanitizer: the concurrency tests (and the registry stress test).
 # FUZZ_SECONDS=0 skips the fuzzing; a longer run: FUZZ_SECONDS=3600 scripts/sanitize.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,8 +12,8 @@ FUZZ_SECONDS=${FUZZ_SECONDS:-30}
 # The C++ tests whose code paths the sanitizers check: validation and every bad-input class, the
 # registry and plug-ins, workspaces, saved chunk states, hard-reset gates, the command line, and the
 # cpu backend on one grid slice. The whole grid under ASan is ~10x its plain time.
-ASAN_TESTS=${ASAN_TESTS:-'Validation*:InputCheck*:Overflow*:OptionsSize*:Overlap*:CallbackMessages*:Cli*:Registry*:Plugins*:Workspace*:ChunkStates*:HardReset*:Concurrency*:Oracle*:Reference*:CpuBackend.StridedInputsAndStates:CpuBackend.StagesMixWithReferenceStages:CpuBackend.PartialGradientRequests'}
-TSAN_TESTS=${TSAN_TESTS:-'Concurrency*:Registry.ConcurrentCallsWhileRegistering'}
+ASAN_TESTS=${ASAN_TESTS:-'Validation*:InputCheck*:Overflow*:OptionsSize*:Overlap*:CallbackMessages*:Cli*:Registry*:Plugins*:Fastest*:Capabilit*:Workspace*:ChunkStates*:HardReset*:Concurrency*:Oracle*:Reference*:CpuBackend.StridedInputsAndStates:CpuBackend.StagesMixWithReferenceStages:CpuBackend.PartialGradientRequests'}
+TSAN_TESTS=${TSAN_TESTS:-'Concurrency*:Registry.ConcurrentCallsWhileRegistering:FastestStress*:Fastest.ConcurrentFirstCallsMeasureOnce'}
 
 configure() {  # dir, sanitizer flags
   local flags="-O1 -g -fno-omit-frame-pointer $2"

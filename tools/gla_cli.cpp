@@ -1,4 +1,4 @@
-// The `gla` command: run (the main job), backends, explain. Uses only the public C API.
+// The `gla` command: run (the main job), backends, explain, tune. Uses only the public C API.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -29,8 +29,11 @@ const char* const kUsage =
     "             against the reference backend, print the decision, errors and times\n"
     "  backends   list the registered backends with their availability\n"
     "  explain    print the dispatcher's verdict table for a problem\n"
+    "  tune       measure the `fastest` policy's candidates for a problem (forward and backward) on\n"
+    "             random host inputs and print the times and the winners; with GLA_TUNE_FILE set the\n"
+    "             winners are written there for later processes (GLA_POLICY=fastest)\n"
     "\n"
-    "problem options (run, explain):\n"
+    "problem options (run, explain, tune):\n"
     "  --B N --T N --H N --K N --V N     sizes (default B=2 T=1000 H=4 K=64 V=64)\n"
     "  --dtype float32|float16|bfloat16  q/k/v dtype (default float32)\n"
     "  --gate-dtype same|float32         gate dtype (default same)\n"
@@ -291,6 +294,23 @@ int cmd_explain(const Config& c) {
   return 0;
 }
 
+int cmd_tune(const Config& c) {
+  if (c.device != GLA_DEVICE_CPU) usage_error("tune: only --device cpu is supported by the command line");
+  if (c.recurrent) usage_error("tune: the chunked operator only (--op chunk)");
+  if (!c.backend.empty() || c.pipeline) usage_error("tune: --backend and --stage-pipeline fix the choice it measures");
+  Problem p{c, 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  make_problem(p, true);
+  const gla_options opts = options_for(c, nullptr);
+  const gla_chunk_forward_args f = forward_args(p);
+  const gla_chunk_backward_args b = backward_args(p);
+  const char* text = nullptr;
+  check(gla_tune(&f, nullptr, &opts, &text), "tune forward");
+  std::printf("== forward\n%s", text);
+  check(gla_tune(nullptr, &b, &opts, &text), "tune backward");
+  std::printf("== backward\n%s", text);
+  return 0;
+}
+
 int cmd_run(const Config& c) {
   if (c.device != GLA_DEVICE_CPU) usage_error("run: only --device cpu is supported by the command line");
   Problem p{c, 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
@@ -381,6 +401,7 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "explain") return cmd_explain(parse(argc, argv, 2, false));
     if (cmd == "run") return cmd_run(parse(argc, argv, 2, true));
+    if (cmd == "tune") return cmd_tune(parse(argc, argv, 2, true));
   } catch (const std::bad_alloc&) {
     const Config c = parse(argc, argv, 2, false);
     std::fprintf(stderr, "gla: cannot allocate the problem's buffers (%lld bytes on the host for B=%lld T=%lld H=%lld K=%lld V=%lld): out of memory\n",

@@ -31,8 +31,11 @@ extern "C" {
 #define GLA_API __attribute__((visibility("default")))
 #endif
 
-/* Version of this header's structs and callback tables. Bumped on any incompatible change. */
-#define GLA_ABI_VERSION 1
+/* Version of this header's structs and callback tables. Bumped when a table grows or changes;
+ * libgla accepts every version from GLA_ABI_VERSION_MIN (a table of an older version is read up to
+ * the fields that version had). */
+#define GLA_ABI_VERSION 2
+#define GLA_ABI_VERSION_MIN 1
 #define GLA_MAX_RANK 6
 
 /* ------------------------------------------------------------------------------------------ */
@@ -97,8 +100,9 @@ typedef enum gla_policy {
   GLA_POLICY_DEFAULT = 0,  /* the process default: GLA_POLICY from the environment, else priority */
   GLA_POLICY_PRIORITY = 1, /* first available, enabled, accepting backend in priority order */
   GLA_POLICY_FORCED = 2,   /* only the backend named in gla_options.backend */
-  GLA_POLICY_FASTEST = 3   /* measured choice per problem signature (falls back to priority until
-                              a measurement exists; see DESIGN.md) */
+  GLA_POLICY_FASTEST = 3   /* measured choice per problem signature: the first call of a signature
+                              times every accepting backend (or gla_tune does, ahead of time;
+                              GLA_TUNE_FILE keeps the winners across processes). docs/dispatch.md */
 } gla_policy;
 
 typedef struct gla_options {
@@ -359,6 +363,16 @@ GLA_API gla_status gla_backend_set_enabled(const char* name, int32_t enabled);
 GLA_API gla_status gla_explain(const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd,
                                const gla_options* options, const char** text);
 
+/* The `fastest` policy's measurement, ahead of time. Times every available, enabled backend that
+ * accepts this problem (whole operation, and the stage pipeline where a stage-only backend takes
+ * part) on these inputs, writing to scratch outputs (the given outputs are never written; their
+ * metadata chooses the signature), replaces the cached winner for the problem's signature (unit,
+ * device, dtypes, shape bucket, flags) and, when GLA_TUNE_FILE is set, writes the file. *text gets
+ * the explain() text with the measured times (owned by libgla, valid until the next call on this
+ * thread). Exactly one of fwd / bwd is non-NULL; options->backend must be unset. */
+GLA_API gla_status gla_tune(const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd,
+                            const gla_options* options, const char** text);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Backends from outside: plugins and language bindings                                         */
 /* ------------------------------------------------------------------------------------------ */
@@ -417,6 +431,46 @@ typedef struct gla_problem {
   gla_tensor state_slots, slot_error, token_states;
 } gla_problem;
 
+/* What a backend serves, declared as data: one record per set of units with the same conditions (a
+ * backend may have several, e.g. a forward and a backward with different dtypes). The default verifier
+ * accepts a problem when one record covering its unit and device accepts all of it, and otherwise
+ * returns every reason the records decline it; a backend adds imperative checks (its verify callback)
+ * only for what these fields cannot say. explain() prints the records. */
+#define GLA_FEATURE_VARLEN (1u << 0)         /* cu_seqlens */
+#define GLA_FEATURE_INITIAL_STATE (1u << 1)  /* initial_state (and dh0) */
+#define GLA_FEATURE_FINAL_STATE (1u << 2)    /* final_state (and dht) */
+#define GLA_FEATURE_STATE_V_FIRST (1u << 3)  /* states [N, H, V, K] */
+#define GLA_FEATURE_PER_KEY_GATE (1u << 4)   /* g [B, T, H, K] (the recurrent gk) */
+#define GLA_FEATURE_PER_HEAD_GATE (1u << 5)  /* g [B, T, H] */
+#define GLA_FEATURE_CHUNK_STATES (1u << 6)   /* the whole operations' saved chunk states (problem.h) */
+#define GLA_FEATURE_VALUE_GATE (1u << 7)     /* recurrent gv */
+#define GLA_FEATURE_REVERSE (1u << 8)        /* recurrent, last token first */
+#define GLA_FEATURE_STATE_POOL (1u << 9)     /* recurrent state update (state_slots) */
+#define GLA_FEATURE_TOKEN_STATES (1u << 10)  /* recurrent state update's token_states */
+#define GLA_FEATURE_ALL 0x7ffu
+/* Layout needs (gla_capability.layout). */
+#define GLA_LAYOUT_LAST_DIM_CONTIGUOUS (1u << 0) /* stride 1 in the last dimension of q, k, v, o, the
+                                                    per-key gate and their gradients */
+#define GLA_LAYOUT_CONTIGUOUS (1u << 1)          /* every tensor row-major contiguous */
+
+typedef struct gla_capability {
+  uint64_t unit_mask;   /* bit (1 << gla_unit) per unit this record covers */
+  uint64_t device_mask; /* bit (1 << gla_device_type) per device type */
+  int32_t min_compute_capability; /* CUDA: 10 * major + minor (80 = sm_80); 0 = none */
+  uint32_t dtype_mask;      /* bit (1 << gla_dtype) per dtype of q, k, v (o, do and their gradients) */
+  uint32_t gate_dtype_mask; /* bit (1 << gla_dtype) per dtype of the gates (and dg) */
+  int64_t k_min, k_max;     /* key width K within [k_min, k_max]; k_max 0 = no upper limit */
+  int64_t v_min, v_max;     /* value width V, likewise */
+  uint32_t features;        /* GLA_FEATURE_* the record serves; a problem using another is declined */
+  uint32_t layout;          /* GLA_LAYOUT_* needs */
+  uint32_t alignment;       /* bytes every tensor's data pointer must be a multiple of; 0 = none */
+  int32_t deterministic;    /* 1: the same inputs give bitwise the same outputs on every run */
+} gla_capability;
+
+/* The declaration of a registered backend: *records points at *count records owned by libgla,
+ * valid until the backend is unregistered or replaced. */
+GLA_API gla_status gla_backend_capabilities(const char* name, const gla_capability** records, int32_t* count);
+
 /* A backend described by callbacks. Every callback gets `user_data` back. Strings written into
  * `message` (capacity `message_capacity`) explain a decline or an error. */
 typedef struct gla_backend_desc {
@@ -438,6 +492,31 @@ typedef struct gla_backend_desc {
                  size_t message_capacity);
   /* Optional: scratch bytes `run` wants for a whole-operation unit (0 if NULL). */
   size_t (*workspace_size)(void* user_data, const gla_problem* problem);
+  /* ---- abi_version >= 2 ---- */
+  /* Optional memory on the problem's device (for devices the host cannot read: workspaces, the
+   * stage pipeline's intermediates, the `fastest` policy's scratch outputs). NULL: host memory
+   * (aligned_alloc) for host-readable devices, none otherwise. allocate returns NULL on failure. */
+  void* (*allocate)(void* user_data, const gla_problem* problem, size_t bytes);
+  void (*deallocate)(void* user_data, const gla_problem* problem, void* pointer);
+  /* Optional: copies device memory to the host, waiting for it (cu_seqlens without a host copy,
+   * check_inputs). Returns a gla_status. NULL: memcpy for host-readable devices. */
+  int32_t (*copy_to_host)(void* user_data, const gla_problem* problem, const void* src, void* dst, size_t bytes);
+  /* Optional: waits until the work queued on problem->stream has finished. With it the `fastest`
+   * policy times this backend's device with the host clock around run + synchronize. */
+  int32_t (*synchronize)(void* user_data, const gla_problem* problem);
+  /* Optional: times one run with the device's own clock (events): calls run(context) between two
+   * device timestamps, waits for the second and stores the milliseconds in *ms. Returns a
+   * gla_status. Preferred over synchronize; the first backend serving a device with either times
+   * every candidate there. */
+  int32_t (*time_run)(void* user_data, const gla_problem* problem, void (*run)(void* context), void* context,
+                      double* ms);
+  /* Optional: 1 while problem->stream is being captured into a graph (no measuring then). */
+  int32_t (*stream_capturing)(void* user_data, const gla_problem* problem);
+  /* The declaration (copied at registration). capability_count 0: one record made of device_mask and
+   * unit_mask that allows every dtype, size, feature but chunk states, and any layout (what a
+   * version-1 table gets). With records, device_mask and unit_mask must be their union. */
+  const gla_capability* capabilities;
+  int32_t capability_count;
 } gla_backend_desc;
 
 /* Adds a backend to the registry (or replaces one of the same name). */
@@ -445,13 +524,25 @@ GLA_API gla_status gla_register_backend(const gla_backend_desc* desc);
 /* Removes a backend registered through gla_register_backend. */
 GLA_API gla_status gla_unregister_backend(const char* name);
 
-/* Plugins: a shared library that exports
- *     gla_status gla_plugin_register(void);
- * which calls gla_register_backend for each backend it brings. gla_load_plugin loads one (the
- * library stays loaded for the life of the process: the registry keeps its callbacks). The
- * environment variable GLA_PLUGINS=path:path:... loads plugins when the registry is first used; a
- * plugin that fails to load there is reported on stderr and skipped. */
+/* Plugins: a shared library that exports two functions,
+ *     uint32_t gla_plugin_abi_version(void);   the GLA_ABI_VERSION it was built against
+ *     gla_status gla_plugin_register(void);    calls gla_register_backend for each backend it brings
+ * (GLA_PLUGIN_DEFINE_ABI_VERSION() defines the first). gla_load_plugin loads one and refuses it with
+ * a message naming the reason when a symbol is missing, when its version is outside
+ * GLA_ABI_VERSION_MIN..GLA_ABI_VERSION, or when its registration fails (then the backends it
+ * registered before failing are removed again); the library stays loaded for the life of the
+ * process (the registry keeps its callbacks) and the process carries on. The environment variable
+ * GLA_PLUGINS=path:path:... loads plugins when the registry is first used; a plugin that fails to
+ * load there is reported on stderr and skipped. docs/writing-a-backend.md is the guide. */
 #define GLA_PLUGIN_ENTRY_POINT "gla_plugin_register"
+#define GLA_PLUGIN_ABI_ENTRY_POINT "gla_plugin_abi_version"
+#if defined(_WIN32)
+#define GLA_PLUGIN_EXPORT __declspec(dllexport)
+#else
+#define GLA_PLUGIN_EXPORT __attribute__((visibility("default")))
+#endif
+#define GLA_PLUGIN_DEFINE_ABI_VERSION() \
+  GLA_PLUGIN_EXPORT uint32_t gla_plugin_abi_version(void) { return GLA_ABI_VERSION; }
 GLA_API gla_status gla_load_plugin(const char* path);
 
 #ifdef __cplusplus

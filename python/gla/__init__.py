@@ -13,10 +13,12 @@ from ._api import (BackendInfo, backend, backends, chunk_gla, explain, library_p
                    set_backend_enabled, version)
 from ._lib import GlaError
 from ._recurrent import explain_recurrent, fused_recurrent_gla, recurrent_state_update
+from ._capabilities import capabilities
+from ._tune import tune
 
 __all__ = ["chunk_gla", "backends", "explain", "backend", "policy", "set_backend_enabled", "load_plugin",
            "BackendInfo", "GlaError", "library_path", "version", "fused_recurrent_gla", "recurrent_state_update",
-           "explain_recurrent"]
+           "explain_recurrent", "tune", "capabilities"]
 
 try:
     _ops.ensure_loaded()

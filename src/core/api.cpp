@@ -195,25 +195,67 @@ gla_status gla_backend_set_enabled(const char* name, int32_t enabled) {
   });
 }
 
-gla_status gla_explain(const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd,
-                       const gla_options* options, const char** text) {
+}  // extern "C"
+
+namespace {
+// gla_explain and gla_tune: exactly one of fwd / bwd, validated (metadata only for explain), and
+// the text they return.
+template <class Body>
+gla_status text_call(const char* what, const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd,
+                     const gla_options* options, const char** text, bool metadata_only, Body&& body) {
   return guarded([&] {
     if (!text) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "text: required output pointer is missing (got NULL)");
     if ((fwd == nullptr) == (bwd == nullptr)) {
-      gla::fail(GLA_STATUS_INVALID_ARGUMENT, "explain: expected exactly one of fwd and bwd, got " +
+      gla::fail(GLA_STATUS_INVALID_ARGUMENT, std::string(what) + ": expected exactly one of fwd and bwd, got " +
                                                  std::string(fwd ? "both" : "neither"));
     }
     const gla_options opts = gla::read_options(options);
-    gla::PreparedProblem prepared = fwd ? gla::prepare_forward(fwd, opts, true) : gla::prepare_backward(bwd, opts, true);
-    t_text = gla::explain(prepared, gla::make_control(opts));
+    gla::PreparedProblem prepared =
+        fwd ? gla::prepare_forward(fwd, opts, metadata_only) : gla::prepare_backward(bwd, opts, metadata_only);
+    t_text = body(prepared, opts);
     *text = t_text.c_str();
+  });
+}
+}  // namespace
+
+extern "C" {
+
+gla_status gla_explain(const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd,
+                       const gla_options* options, const char** text) {
+  return text_call("explain", fwd, bwd, options, text, true, [](gla::PreparedProblem& prepared, const gla_options& opts) {
+    return gla::explain(prepared, gla::make_control(opts));
+  });
+}
+
+gla_status gla_tune(const gla_chunk_forward_args* fwd, const gla_chunk_backward_args* bwd, const gla_options* options,
+                    const char** text) {
+  return text_call("tune", fwd, bwd, options, text, false,
+                   [](gla::PreparedProblem& prepared, const gla_options& opts) { return gla::tune(prepared, opts); });
+}
+
+gla_status gla_backend_capabilities(const char* name, const gla_capability** records, int32_t* count) {
+  return guarded([&] {
+    if (!records || !count) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "records, count: required output pointers are missing (got NULL)");
+    for (const auto& e : gla::Registry::instance().snapshot()) {
+      if (name && e.backend->name() == name) {
+        // The registry keeps the backend (and so its records) alive until it is removed or replaced.
+        const auto& all = e.backend->capabilities();
+        *records = all.data();
+        *count = static_cast<int32_t>(all.size());
+        return;
+      }
+    }
+    gla::fail(GLA_STATUS_INVALID_ARGUMENT, std::string("name: no backend named '") + (name ? name : "(null)") + "'");
   });
 }
 
 gla_status gla_register_backend(const gla_backend_desc* desc) {
   return guarded([&] {
     if (!desc) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "desc: required backend description is missing (got NULL)");
-    gla::Registry::instance().add(gla::make_callback_backend(*desc));
+    auto backend = gla::make_callback_backend(*desc);
+    const std::string name = backend->name();
+    gla::Registry::instance().add(std::move(backend));
+    gla::note_registration(name);
   });
 }
 

@@ -1,5 +1,8 @@
 #include "core/backend.hpp"
 
+#include "core/capabilities.hpp"
+
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -27,6 +30,40 @@ std::string shape_string(const gla_tensor& t) {
   for (int i = 0; i < t.rank; ++i) s << (i ? ", " : "") << t.sizes[i];
   s << ']';
   return s.str();
+}
+
+bool Backend::serves_device(int32_t device_type) const {
+  if (device_type < 0 || device_type >= 64) return false;
+  for (const auto& c : capabilities()) {
+    if (c.device_mask & device_bit(device_type)) return true;
+  }
+  return false;
+}
+
+bool Backend::implements(int32_t unit) const {
+  if (unit < 0 || unit >= 64) return false;
+  for (const auto& c : capabilities()) {
+    if (c.unit_mask & unit_bit(unit)) return true;
+  }
+  return false;
+}
+
+Verdict Backend::verify(const gla_problem& problem) const {
+  std::vector<std::string> why = declaration_reasons(capabilities(), problem, compute_capability(problem));
+  for (auto& w : check_more(problem)) why.push_back(std::move(w));
+  if (why.empty()) return Verdict::yes();
+  std::string joined;
+  for (const auto& w : why) {
+    if (!joined.empty()) joined += "; ";
+    joined += w;
+  }
+  return Verdict::no(joined);
+}
+
+double Backend::time_run_ms(const gla_problem& /*problem*/, const std::function<void()>& run) {
+  const auto start = std::chrono::steady_clock::now();
+  run();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
 void* Backend::allocate(const gla_problem& problem, size_t bytes) {

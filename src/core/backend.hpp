@@ -9,10 +9,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "gla/gla.h"
 #include "core/tensor.hpp"
@@ -49,19 +51,25 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
   virtual int priority() const = 0;
-  virtual bool serves_device(int32_t device_type) const = 0;
-  virtual bool implements(int32_t unit) const = 0;
+  // What it serves, as data (gla_capability in gla.h, core/capabilities.hpp): devices and minimum
+  // compute capability, units, dtypes, K and V ranges, features (saved chunk states among them),
+  // layout and alignment, determinism. The same object on every call.
+  virtual const std::vector<gla_capability>& capabilities() const = 0;
+  // The checks the declaration cannot express (grid limits, device visibility, where cu_seqlens
+  // lives): every reason, empty when none. Cheap, metadata only.
+  virtual std::vector<std::string> check_more(const gla_problem& /*problem*/) const { return {}; }
+  // 10 * major + minor of the problem's device, -1 when unknown (the declaration's minimum is then
+  // not checked by the core).
+  virtual int compute_capability(const gla_problem& /*problem*/) const { return -1; }
   // Built in, driver present, device present. Checked once per process and cached by the registry.
   virtual Verdict available() const { return Verdict::yes(); }
-  // Cheap, deterministic, free of side effects; reads metadata only.
-  virtual Verdict verify(const gla_problem& problem) const = 0;
+  // From the declaration: some record covers the device type / the unit.
+  bool serves_device(int32_t device_type) const;
+  bool implements(int32_t unit) const;
+  // The declaration's verdict and check_more's, every reason joined by "; ".
+  Verdict verify(const gla_problem& problem) const;
   // Throws gla::Error on failure.
   virtual void run(const gla_problem& problem) = 0;
-  // Whether the whole operations honour the caller's saved chunk states (problem.h of
-  // GLA_UNIT_CHUNK_FWD / CHUNK_BWD: gla_chunk_forward_saving_states writes them,
-  // gla_chunk_backward_from_states reads them). Default no: the dispatcher then never gives this
-  // backend a whole operation with them present, and says why.
-  virtual bool handles_chunk_states() const { return false; }
   // Scratch bytes `run` wants for a whole-operation unit; the dispatcher passes it in
   // problem.workspace (caller's buffer when large enough, else from allocate()).
   virtual size_t workspace_size(const gla_problem& /*problem*/) const { return 0; }
@@ -69,6 +77,15 @@ class Backend {
   // line for explain(); empty if there is nothing more to say than its name. Metadata only (the
   // sequence offsets are loaded).
   virtual std::string plan_note(const gla_problem& /*problem*/) const { return {}; }
+
+  // Timing for the `fastest` policy (src/core/tuner.hpp). can_time: whether time_run_ms measures
+  // work on the problem's device; the default times host memory with the host clock. time_run_ms
+  // runs `run` once and returns the milliseconds it took on the device (device backends: events on
+  // problem.stream). stream_capturing: work queued on problem.stream is being recorded into a graph
+  // (nothing may be measured then).
+  virtual bool can_time(const gla_problem& problem) const { return host_accessible(problem.device_type); }
+  virtual double time_run_ms(const gla_problem& problem, const std::function<void()>& run);
+  virtual bool stream_capturing(const gla_problem& /*problem*/) const { return false; }
 
   // Memory on the problem's device for workspaces and stage-pipeline intermediates. The default
   // serves host memory; device backends override.

@@ -1,5 +1,8 @@
 #include "core/dispatcher.hpp"
 
+#include "core/capabilities.hpp"
+#include "core/tuner.hpp"
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -56,8 +59,8 @@ const char* policy_name(int32_t policy) {
 
 // The problem as a backend sees it for `unit`: stage buffers described (shapes only; data is set
 // when the pipeline runs).
-gla_problem problem_for_unit(const PreparedProblem& prepared, int32_t unit) {
-  gla_problem p = prepared.problem;
+gla_problem problem_for_unit(const gla_problem& whole, int32_t unit) {
+  gla_problem p = whole;
   p.unit = unit;
   if (unit_is_stage(unit)) {
     p.chunk_size = kPipelineChunkSize;
@@ -82,6 +85,7 @@ gla_problem problem_for_unit(const PreparedProblem& prepared, int32_t unit) {
   }
   return p;
 }
+gla_problem problem_for_unit(const PreparedProblem& prepared, int32_t unit) { return problem_for_unit(prepared.problem, unit); }
 
 // Why `entry` cannot run `unit` on this problem ("" = it can).
 std::string decline_reason(const RegistryEntry& entry, const gla_problem& problem, int32_t unit) {
@@ -92,10 +96,6 @@ std::string decline_reason(const RegistryEntry& entry, const gla_problem& proble
     return std::string("does not serve device ") + device_type_name(problem.device_type);
   }
   if (!b.implements(unit)) return "does not implement " + std::string(gla_unit_name(unit));
-  if (!unit_is_stage(unit) && present(problem.h) && !b.handles_chunk_states()) {
-    return unit == GLA_UNIT_CHUNK_FWD ? "does not write saved chunk states (chunk_states)"
-                                      : "does not read saved chunk states (chunk_states)";
-  }
   Verdict v = b.verify(problem);
   if (!v.ok) return v.reason.empty() ? std::string("declined (no reason given)") : v.reason;
   return "";
@@ -202,9 +202,8 @@ void check_forced_names(const std::vector<RegistryEntry>& entries, const Dispatc
   }
 }
 
-Plan plan_with_reasons(const PreparedProblem& prepared, const DispatchControl& control, std::string& failure) {
-  const auto entries = Registry::instance().snapshot();
-  check_forced_names(entries, control);
+Plan priority_plan(const std::vector<RegistryEntry>& entries, const PreparedProblem& prepared,
+                   const DispatchControl& control, std::string& failure) {
   const int32_t op = prepared.problem.unit;
   Plan plan;
   std::string why;
@@ -252,6 +251,90 @@ Plan plan_with_reasons(const PreparedProblem& prepared, const DispatchControl& c
   return Plan{};
 }
 
+// ---- the `fastest` policy ----
+
+// The calls the policy chooses for: no backend, unit or pipeline forced.
+bool fastest_applies(const DispatchControl& control) {
+  return control.policy == GLA_POLICY_FASTEST && control.forced.empty() && control.forced_units.empty() &&
+         !control.force_pipeline;
+}
+
+// One way to run the whole operation: a backend, or the stage pipeline (labelled by its stages).
+struct Candidate {
+  std::string label;
+  Plan plan;
+};
+
+// Every available, enabled backend that accepts the whole operation, in priority order, and the stage
+// pipeline priority would assemble when a stage-only backend takes part in it (first when priority
+// itself chooses the pipeline).
+std::vector<Candidate> fastest_candidates(const std::vector<RegistryEntry>& entries, const PreparedProblem& prepared,
+                                          const DispatchControl& control, const Plan& by_priority) {
+  std::vector<Candidate> out;
+  const int32_t op = prepared.problem.unit;
+  const gla_problem whole = problem_for_unit(prepared, op);
+  for (const auto& e : entries) {
+    if (decline_reason(e, whole, op).empty()) {
+      Plan plan;
+      plan.whole = e.backend;
+      out.push_back({e.backend->name(), plan});
+    }
+  }
+  Plan staged = by_priority;
+  std::string why;
+  if (!staged.pipeline && !try_pipeline(entries, prepared, control, op, staged, why)) return out;
+  bool adds_a_backend = by_priority.pipeline;
+  for (const auto& [unit, backend] : staged.stages) {
+    bool known = false;
+    for (const auto& c : out) known = known || c.plan.whole == backend;
+    adds_a_backend = adds_a_backend || !known;
+  }
+  if (!adds_a_backend) return out;
+  Candidate pipeline{staged.summary(), staged};
+  if (by_priority.pipeline) {
+    out.insert(out.begin(), pipeline);
+  } else {
+    out.push_back(pipeline);
+  }
+  return out;
+}
+
+std::vector<std::string> labels(const std::vector<Candidate>& candidates) {
+  std::vector<std::string> out;
+  for (const auto& c : candidates) out.push_back(c.label);
+  return out;
+}
+
+// Set while this thread measures: a backend calling back into libgla with `fastest` gets priority
+// instead of waiting on its own measurement.
+thread_local bool t_measuring = false;
+
+// The plan `fastest` gives from what is known (no measuring): the cached winner, else priority.
+Plan fastest_known(const std::vector<RegistryEntry>& entries, const PreparedProblem& prepared,
+                   const DispatchControl& control, const Plan& by_priority, TuneRecord* record, bool* found) {
+  const auto candidates = fastest_candidates(entries, prepared, control, by_priority);
+  TuneRecord r;
+  const bool hit = candidates.size() > 1 &&
+                   Tuner::instance().lookup(tune_signature(problem_for_unit(prepared, prepared.problem.unit)),
+                                            labels(candidates), r);
+  if (found) *found = hit;
+  if (record) *record = r;
+  if (hit) {
+    for (const auto& c : candidates) {
+      if (c.label == r.winner) return c.plan;
+    }
+  }
+  return by_priority;
+}
+
+Plan plan_with_reasons(const PreparedProblem& prepared, const DispatchControl& control, std::string& failure) {
+  const auto entries = Registry::instance().snapshot();
+  check_forced_names(entries, control);
+  Plan plan = priority_plan(entries, prepared, control, failure);
+  if (!fastest_applies(control) || (!plan.pipeline && !plan.whole)) return plan;
+  return fastest_known(entries, prepared, control, plan, nullptr, nullptr);
+}
+
 std::string verdict_table(const PreparedProblem& prepared, const DispatchControl& control) {
   const auto entries = Registry::instance().snapshot();
   const int32_t op = prepared.problem.unit;
@@ -263,6 +346,7 @@ std::string verdict_table(const PreparedProblem& prepared, const DispatchControl
     out << "backend '" << b.name() << "' (priority " << b.priority() << "): "
         << (e.availability.ok ? "available" : "unavailable (" + e.availability.reason + ")") << ", "
         << (e.enabled ? "enabled" : "disabled by " + e.disabled_by) << "\n";
+    for (const gla_capability& c : b.capabilities()) out << "    declares " << describe(c) << "\n";
     for (int32_t u : units) {
       const gla_problem p = problem_for_unit(prepared, u);
       std::string reason = decline_reason(e, p, u);
@@ -395,15 +479,176 @@ Plan make_plan(const PreparedProblem& prepared, const DispatchControl& control) 
   return plan;
 }
 
+namespace {
+
+// The backend that times work on the problem's device: the first available one serving it that can
+// (the host clock for host memory; events for CUDA). Every candidate is timed by the same clock.
+Backend* timekeeper(const std::vector<RegistryEntry>& entries, const gla_problem& p) {
+  for (const auto& e : entries) {
+    if (e.availability.ok && e.backend->serves_device(p.device_type) && e.backend->can_time(p)) return e.backend.get();
+  }
+  return nullptr;
+}
+
+// Why `fastest` cannot measure this call now ("" = it can).
+std::string no_measure_reason(const std::vector<RegistryEntry>& entries, const gla_problem& whole, size_t candidates) {
+  if (candidates < 2) return candidates == 1 ? "one candidate only" : "no candidate";
+  if (present(whole.state_slots)) return "the state update writes the caller's state pool in place";
+  if (!timekeeper(entries, whole)) return std::string("no backend can time device ") + device_type_name(whole.device_type);
+  for (const auto& e : entries) {
+    if (e.availability.ok && e.backend->serves_device(whole.device_type) && e.backend->stream_capturing(whole)) {
+      return "the stream is being captured into a graph";
+    }
+  }
+  return "";
+}
+
+// Outputs of the whole operation, which the measurement points at scratch memory instead.
+std::vector<gla_tensor*> output_fields(gla_problem& p) {
+  std::vector<gla_tensor*> out{&p.o, &p.final_state, &p.dq, &p.dk, &p.dv, &p.dg, &p.dh0, &p.dgv, &p.token_states};
+  if (p.unit == GLA_UNIT_CHUNK_FWD) out.push_back(&p.h);  // the saved chunk states the forward writes
+  return out;
+}
+
+void run_plan(const gla_problem& whole, const Plan& plan, const gla_options& options);
+
+// Times every candidate on the call's inputs with outputs to scratch: one warm-up run, then three
+// timed runs (one when the warm-up took 100 ms or more: the noise is small against it), keeping the
+// minimum (load on the machine only ever adds time).
+TuneRecord measure(const std::vector<Candidate>& candidates, Backend& clock, const gla_problem& whole,
+                   const gla_options& options) {
+  struct Flag {
+    Flag() { t_measuring = true; }
+    ~Flag() { t_measuring = false; }
+  } flag;
+  gla_problem p = whole;
+  std::vector<std::pair<gla_tensor*, void*>> owned;
+  struct Release {
+    Backend& b;
+    const gla_problem& p;
+    std::vector<std::pair<gla_tensor*, void*>>& owned;
+    ~Release() {
+      for (auto& [t, ptr] : owned) b.deallocate(p, ptr);
+    }
+  } release{clock, whole, owned};
+  for (gla_tensor* t : output_fields(p)) {
+    if (!present(*t)) continue;
+    const size_t bytes = static_cast<size_t>(numel(*t) * dtype_size(t->dtype));
+    void* ptr = clock.allocate(whole, bytes);
+    owned.emplace_back(t, ptr);
+    gla_tensor scratch = make_tensor(ptr, t->dtype, t->device_type, t->device_index, {});
+    scratch.rank = t->rank;
+    int64_t stride = 1;
+    for (int d = t->rank - 1; d >= 0; --d) {
+      scratch.sizes[d] = t->sizes[d];
+      scratch.strides[d] = stride;
+      stride *= t->sizes[d];
+    }
+    *t = scratch;
+  }
+  gla_options own = options;  // the caller's workspace is the caller's memory too
+  own.workspace = nullptr;
+  own.workspace_bytes = 0;
+  TuneRecord record;
+  for (const Candidate& c : candidates) {
+    double best = -1;
+    try {
+      auto once = [&] { run_plan(p, c.plan, own); };
+      const double warm = clock.time_run_ms(p, once);
+      const int runs = warm < 100 ? 3 : 1;
+      for (int r = 0; r < runs; ++r) {
+        const double ms = clock.time_run_ms(p, once);
+        if (best < 0 || ms < best) best = ms;
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[gla] fastest: %s failed while being measured (left out): %s\n", c.label.c_str(), e.what());
+      best = -1;
+    }
+    record.candidates.push_back(c.label);
+    record.ms.push_back(best);
+  }
+  const int w = tune_winner(record.ms);
+  record.winner = record.candidates[w < 0 ? 0 : static_cast<size_t>(w)];
+  return record;
+}
+
+// `fastest` for a call about to run: the cached winner, or a measurement now (once per signature),
+// or — when it cannot measure — what is known.
+Plan fastest_plan(const PreparedProblem& prepared, const DispatchControl& control, const Plan& known,
+                  const gla_options& options, bool remeasure, TuneRecord* out) {
+  const auto entries = Registry::instance().snapshot();
+  std::string failure;
+  const Plan by_priority = priority_plan(entries, prepared, control, failure);
+  if (!by_priority.pipeline && !by_priority.whole) return known;
+  const auto candidates = fastest_candidates(entries, prepared, control, by_priority);
+  const gla_problem whole = problem_for_unit(prepared, prepared.problem.unit);
+  const std::string why = no_measure_reason(entries, whole, candidates.size());
+  if (!why.empty() || (t_measuring && !remeasure)) {
+    if (remeasure) fail(GLA_STATUS_NOT_SUPPORTED, "tune: cannot measure this problem: " + why);
+    return known;
+  }
+  Backend& clock = *timekeeper(entries, whole);
+  const TuneRecord record = Tuner::instance().get_or_measure(
+      tune_signature(whole), labels(candidates), [&] { return measure(candidates, clock, whole, options); }, remeasure);
+  if (out) *out = record;
+  for (const auto& c : candidates) {
+    if (c.label == record.winner) return c.plan;
+  }
+  return known;
+}
+
+// What explain() says about `fastest` for this problem.
+std::string fastest_note(const PreparedProblem& prepared, const DispatchControl& control) {
+  const auto entries = Registry::instance().snapshot();
+  std::string failure;
+  const Plan by_priority = priority_plan(entries, prepared, control, failure);
+  if (!by_priority.pipeline && !by_priority.whole) return "";
+  const auto candidates = fastest_candidates(entries, prepared, control, by_priority);
+  const gla_problem whole = problem_for_unit(prepared, prepared.problem.unit);
+  std::ostringstream out;
+  out << "fastest: candidates";
+  for (const auto& c : candidates) out << " '" << c.label << "'";
+  TuneRecord r;
+  bool found = false;
+  fastest_known(entries, prepared, control, by_priority, &r, &found);
+  if (found) {
+    out << "\n  measured (" << (r.from_file ? "read from GLA_TUNE_FILE" : "in this process") << ", minimum of the timed runs):";
+    for (size_t i = 0; i < r.candidates.size(); ++i) {
+      char ms[48];
+      if (r.ms[i] < 0) {
+        std::snprintf(ms, sizeof ms, "failed");
+      } else {
+        std::snprintf(ms, sizeof ms, "%.4f ms", r.ms[i]);
+      }
+      out << "\n    " << r.candidates[i] << ": " << ms << (r.candidates[i] == r.winner ? "  <- winner" : "");
+    }
+    out << "\n  signature: " << tune_signature(whole);
+  } else {
+    const std::string why = no_measure_reason(entries, whole, candidates.size());
+    if (why.empty()) {
+      out << "\n  not measured yet (priority serves until the first call measures it, or gla_tune)";
+    } else {
+      out << "\n  not measured: " << why << " (priority serves)";
+    }
+  }
+  return out.str();
+}
+
+}  // namespace
+
 std::string explain(const PreparedProblem& prepared, const DispatchControl& control) {
   std::ostringstream out;
   out << "problem: " << problem_line(prepared.problem) << "\n";
   out << "policy: " << policy_name(control.policy);
-  if (control.policy == GLA_POLICY_FASTEST) out << " (no measurement cached: priority order serves)";
   if (!control.forced.empty()) out << ", forced backend '" << control.forced << "'";
   for (const auto& [unit, name] : control.forced_units) out << ", " << gla_unit_name(unit) << " forced to '" << name << "'";
   if (control.force_pipeline) out << ", stage pipeline forced";
-  out << "\n" << verdict_table(prepared, control);
+  out << "\n";
+  if (fastest_applies(control)) {
+    const std::string note = fastest_note(prepared, control);
+    if (!note.empty()) out << note << "\n";
+  }
+  out << verdict_table(prepared, control);
   std::string failure;
   Plan plan = plan_with_reasons(prepared, control, failure);
   out << "decision: " << (plan.pipeline || plan.whole ? plan.summary() : "none — " + failure) << "\n";
@@ -425,12 +670,10 @@ size_t workspace_size(PreparedProblem& prepared, const gla_options& options) {
   return plan_workspace(prepared, plan);
 }
 
-void execute(PreparedProblem& prepared, const gla_options& options) {
-  const DispatchControl control = make_control(options);
-  const Plan plan = make_plan(prepared, control);
-  log_decision(prepared, control, plan);
-  Backend& lead = plan.pipeline ? *plan.stages.front().second : *plan.whole;
+namespace {
 
+// Offsets copied from the device, the checks that need them or the data; nothing written yet.
+void load_and_check(PreparedProblem& prepared, const gla_options& options, Backend& lead) {
   if (prepared.offsets_need_copy) {
     const gla_tensor& cu = prepared.problem.cu_seqlens;
     std::vector<char> host(static_cast<size_t>(((cu.sizes[0] - 1) * cu.strides[0] + 1) * dtype_size(cu.dtype)));
@@ -455,9 +698,12 @@ void execute(PreparedProblem& prepared, const gla_options& options) {
     std::pair<Backend*, const gla_problem*> context{&lead, &prepared.problem};
     check_input_values(prepared.problem, host_reader, &context);
   }
+}
 
+// Runs a plan on a whole-operation problem whose sequence offsets are loaded.
+void run_plan(const gla_problem& whole, const Plan& plan, const gla_options& options) {
   if (!plan.pipeline) {
-    gla_problem p = problem_for_unit(prepared, prepared.problem.unit);
+    gla_problem p = problem_for_unit(whole, whole.unit);
     const size_t bytes = plan.whole->workspace_size(p);
     Scratch scratch(*plan.whole, p, bytes, options);
     p.workspace = scratch.base();
@@ -465,9 +711,13 @@ void execute(PreparedProblem& prepared, const gla_options& options) {
     plan.whole->run(p);
     return;
   }
-
-  compute_chunk_offsets(prepared, kPipelineChunkSize);
-  gla_problem base = problem_for_unit(prepared, GLA_UNIT_CUMSUM);
+  gla_problem base = problem_for_unit(whole, GLA_UNIT_CUMSUM);
+  std::vector<int64_t> chunk_offsets(static_cast<size_t>(base.N + 1), 0);
+  for (int64_t n = 0; n < base.N; ++n) {
+    chunk_offsets[n + 1] = chunk_offsets[n] + (sequence_span(base, n).length + kPipelineChunkSize - 1) / kPipelineChunkSize;
+  }
+  base.chunk_offsets = chunk_offsets.data();
+  Backend& lead = *plan.stages.front().second;
   const auto sizes = pipeline_buffer_bytes(base);
   size_t total = 0;
   for (size_t s : sizes) total += s;
@@ -484,6 +734,30 @@ void execute(PreparedProblem& prepared, const gla_options& options) {
     p.unit = unit;
     backend->run(p);
   }
+}
+
+}  // namespace
+
+void execute(PreparedProblem& prepared, const gla_options& options) {
+  const DispatchControl control = make_control(options);
+  Plan plan = make_plan(prepared, control);
+  load_and_check(prepared, options, plan.pipeline ? *plan.stages.front().second : *plan.whole);
+  if (fastest_applies(control)) plan = fastest_plan(prepared, control, plan, options, false, nullptr);
+  log_decision(prepared, control, plan);
+  run_plan(prepared.problem, plan, options);
+}
+
+std::string tune(PreparedProblem& prepared, const gla_options& options) {
+  DispatchControl control = make_control(options);
+  if (!control.forced.empty() || !control.forced_units.empty() || control.force_pipeline) {
+    fail(GLA_STATUS_INVALID_ARGUMENT, "tune: expected no forced backend or stage pipeline (it times them all), got " +
+                                          std::string(control.force_pipeline ? "a forced stage pipeline" : "a forced backend"));
+  }
+  control.policy = GLA_POLICY_FASTEST;
+  Plan plan = make_plan(prepared, control);
+  load_and_check(prepared, options, plan.pipeline ? *plan.stages.front().second : *plan.whole);
+  fastest_plan(prepared, control, plan, options, true, nullptr);
+  return explain(prepared, control);
 }
 
 }  // namespace gla

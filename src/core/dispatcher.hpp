@@ -49,6 +49,10 @@ std::string explain(const PreparedProblem& prepared, const DispatchControl& cont
 void execute(PreparedProblem& prepared, const gla_options& options);
 size_t workspace_size(PreparedProblem& prepared, const gla_options& options);
 
+// gla_tune: measures the `fastest` candidates for this problem anew (replacing the cached record)
+// and returns explain()'s text with the times.
+std::string tune(PreparedProblem& prepared, const gla_options& options);
+
 // Parses a unit name ("chunk_fwd", "fwd_h", ...); -1 if unknown.
 int32_t unit_from_name(const std::string& name);
 

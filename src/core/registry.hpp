@@ -42,7 +42,10 @@ class Registry {
 
 void register_builtin_backends(Registry& registry);
 
-// dlopen()s a plugin and calls its gla_plugin_register (throws gla::Error with the reason).
+// dlopen()s a plugin, checks its ABI version and calls its gla_plugin_register (throws gla::Error
+// with the reason; a failed registration's backends are removed again).
 void load_plugin(const std::string& path);
+// gla_register_backend tells the plugin being loaded on this thread (if any) what it registered.
+void note_registration(const std::string& name);
 
 }  // namespace gla

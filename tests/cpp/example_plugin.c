@@ -32,7 +32,9 @@ static int32_t example_run(void* user_data, const gla_problem* p, char* message,
   return s;
 }
 
-__attribute__((visibility("default"))) gla_status gla_plugin_register(void) {
+GLA_PLUGIN_DEFINE_ABI_VERSION()
+
+GLA_PLUGIN_EXPORT gla_status gla_plugin_register(void) {
   gla_backend_desc d = {0};
   d.abi_version = GLA_ABI_VERSION;
   d.name = "example_plugin";

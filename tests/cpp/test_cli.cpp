@@ -80,3 +80,28 @@ TEST(Cli, ValidArgumentsStillRun) {
 }
 
 }  // namespace
+
+namespace {
+
+// `gla tune` measures in one process and writes GLA_TUNE_FILE; `gla explain` with the `fastest`
+// policy in another reads the winner and its times from it.
+TEST(Cli, TuneWritesTheFileThatALaterProcessReads) {
+  const std::string path = ::testing::TempDir() + "gla_cli_tune.txt";
+  std::remove(path.c_str());
+  const std::string problem = "--B 1 --T 130 --H 2 --K 16 --V 16";
+  const Result tuned = run_cli("tune " + problem, "GLA_TUNE_FILE=" + path + " ");
+  ASSERT_EQ(tuned.status, 0) << tuned.output;
+  EXPECT_NE(tuned.output.find("== forward"), std::string::npos) << tuned.output;
+  EXPECT_NE(tuned.output.find("<- winner"), std::string::npos) << tuned.output;
+  EXPECT_NE(tuned.output.find("reference: "), std::string::npos) << tuned.output;
+  for (const char* which : {"", " --backward"}) {
+    const Result later = run_cli("explain " + problem + which, "GLA_TUNE_FILE=" + path + " GLA_POLICY=fastest ");
+    ASSERT_EQ(later.status, 0) << later.output;
+    EXPECT_NE(later.output.find("measured (read from GLA_TUNE_FILE"), std::string::npos) << which << later.output;
+    EXPECT_NE(later.output.find("<- winner"), std::string::npos) << later.output;
+  }
+  expect_error("tune --backend cpu " + problem, 2, "tune: --backend and --stage-pipeline fix the choice it measures");
+  std::remove(path.c_str());
+}
+
+}  // namespace

@@ -43,22 +43,45 @@ TEST(Plugins, BadPluginsAreErrorsWithReasons) {
   EXPECT_EQ(gla_load_plugin("/nonexistent/libnothing.so"), GLA_STATUS_INVALID_ARGUMENT);
   EXPECT_NE(std::string(gla_last_error()).find("cannot load plugin '/nonexistent/libnothing.so'"), std::string::npos)
       << gla_last_error();
-  // A real shared library without the entry point: libgla itself.
+  // A real shared library without the entry points: libgla itself.
   EXPECT_EQ(gla_load_plugin(GLA_LIBRARY_FILE), GLA_STATUS_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(gla_last_error()).find("does not export gla_plugin_register()"), std::string::npos)
+  EXPECT_NE(std::string(gla_last_error()).find("does not export gla_plugin_abi_version()"), std::string::npos)
       << gla_last_error();
   EXPECT_EQ(gla_load_plugin(nullptr), GLA_STATUS_INVALID_ARGUMENT);
 }
 
-// GLA_PLUGINS is read when the registry is first used, so it is checked in a fresh process.
-std::string run_command(const std::string& command) {
-  std::string out;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (!pipe) return out;
-  char buffer[512];
-  while (fgets(buffer, sizeof buffer, pipe)) out += buffer;
-  pclose(pipe);
-  return out;
+TEST(Plugins, WrongVersionMissingSymbolAndFailedRegistrationAreRefusedAndTheLibraryCarriesOn) {
+  const int32_t before = gla_backend_count();
+  EXPECT_EQ(gla_load_plugin(GLA_BROKEN_PLUGIN_VERSION), GLA_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(gla_last_error()).find("was built for ABI version " + std::to_string(GLA_ABI_VERSION + 7) +
+                                               "; this libgla reads versions 1 to " + std::to_string(GLA_ABI_VERSION)),
+            std::string::npos)
+      << gla_last_error();
+  EXPECT_EQ(gla_load_plugin(GLA_BROKEN_PLUGIN_SYMBOL), GLA_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(gla_last_error()).find("does not export gla_plugin_abi_version()"), std::string::npos)
+      << gla_last_error();
+  EXPECT_EQ(gla_load_plugin(GLA_BROKEN_PLUGIN_REGISTRATION), GLA_STATUS_BACKEND_ERROR);
+  const std::string why = gla_last_error();
+  EXPECT_NE(why.find("failed to register: invalid argument: desc.name: expected a non-empty backend name"),
+            std::string::npos) << why;
+  EXPECT_NE(why.find("(removed again: broken_half_registered)"), std::string::npos) << why;
+  EXPECT_FALSE(listed("broken_half_registered"));
+  EXPECT_EQ(gla_backend_count(), before);
+  // The library carries on.
+  Case c;
+  c.K = 16; c.V = 8;
+  Inputs in = make_inputs(c);
+  Outputs got, want;
+  ASSERT_EQ(run_forward(in, got), GLA_STATUS_OK) << gla_last_error();
+  ASSERT_EQ(run_forward(in, want, {"reference"}), GLA_STATUS_OK);
+  EXPECT_LT(rel_rms(got.o, want.o), 1e-5);
+  // GLA_PLUGINS: the bad ones reported and skipped, the good one loaded.
+  const std::string out = run_command("GLA_PLUGINS=" + std::string(GLA_BROKEN_PLUGIN_VERSION) + ":" + GLA_EXAMPLE_PLUGIN +
+                                      ":" + GLA_BROKEN_PLUGIN_REGISTRATION + " " + GLA_CLI + " backends 2>&1");
+  EXPECT_NE(out.find("was built for ABI version"), std::string::npos) << out;
+  EXPECT_NE(out.find("failed to register"), std::string::npos) << out;
+  EXPECT_NE(out.find("example_plugin"), std::string::npos) << out;
+  EXPECT_EQ(out.find("broken_half_registered "), std::string::npos) << out;
 }
 
 TEST(Plugins, EnvironmentLoadsPluginsAtStartAndReportsFailures) {

@@ -1,6 +1,7 @@
 #include "test_support.hpp"
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -307,6 +308,37 @@ std::vector<Case> spec_grid_cases(int32_t dtype) {
   head.per_head_gate = true; head.seed = 95;
   cases.push_back(head);
   return cases;
+}
+
+gla_status forward_on(const gla_problem& p, const char* backend, char* message, size_t capacity, int32_t device_type) {
+  auto on = [&](gla_tensor t) {
+    if (device_type >= 0 && (t.data || t.rank)) t.device_type = device_type;
+    return t;
+  };
+  const gla_tensor q = on(p.q), k = on(p.k), v = on(p.v), g = on(p.g), h0 = on(p.initial_state), o = on(p.o),
+                   ht = on(p.final_state);
+  auto maybe = [](const gla_tensor& t) { return (t.data || t.rank) ? &t : nullptr; };
+  gla_chunk_forward_args a{&q, &k, &v, &g, maybe(h0), nullptr, nullptr, &o, maybe(ht)};
+  gla_options opts;
+  gla_options_init(&opts);
+  opts.backend = backend;
+  opts.has_scale = 1;
+  opts.scale = p.scale;
+  opts.state_v_first = p.state_v_first;
+  opts.stream = p.stream;
+  const gla_status s = gla_chunk_forward(&a, &opts);
+  if (s != GLA_STATUS_OK) std::snprintf(message, capacity, "%s", gla_last_error());
+  return s;
+}
+
+std::string run_command(const std::string& command) {
+  std::string out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (!pipe) return out;
+  char buffer[512];
+  while (fgets(buffer, sizeof buffer, pipe)) out += buffer;
+  pclose(pipe);
+  return out;
 }
 
 }  // namespace gla::test

@@ -100,4 +100,13 @@ double max_error(const Outputs& a, const Outputs& b, bool backward, std::string&
 // SPEC.md §5 grid cases that fit a CPU test budget (T trimmed where noted in the .cpp).
 std::vector<Case> spec_grid_cases(int32_t dtype);
 
+// For test backends that delegate: runs the whole forward of a backend's problem on `backend`
+// (scale, state layout and stream kept; tensors on `device_type` when it is >= 0, e.g. host memory
+// described as another device); on failure writes gla_last_error() into message.
+gla_status forward_on(const gla_problem& problem, const char* backend, char* message, size_t capacity,
+                      int32_t device_type = -1);
+
+// stdout and stderr of a shell command (fresh processes: GLA_PLUGINS, the CLI).
+std::string run_command(const std::string& command);
+
 }  // namespace gla::test

@@ -29,6 +29,7 @@
 #include "backends/cpu/cpu_kernels.hpp"
 #include "backends/cpu/recurrent.hpp"
 #include "core/backend.hpp"
+#include "core/capabilities.hpp"
 
 namespace gla {
 namespace cpu {
@@ -178,31 +179,27 @@ class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
   int priority() const override { return 50; }
-  // The forward writes the chunk-start states it computes anyway; the backward then skips its
-  // pass 1 (kernels.inl: run_forward, run_backward).
-  bool handles_chunk_states() const override { return true; }
-  bool serves_device(int32_t device_type) const override {
-    return device_type == GLA_DEVICE_CPU || device_type == GLA_DEVICE_CUDA_HOST;
+  // Host memory, every unit, the float dtypes, every size and feature. The forward writes the
+  // chunk-start states it computes anyway; the backward then skips its pass 1 (kernels.inl:
+  // run_forward, run_backward). Deterministic: work items are claimed dynamically, but each is
+  // computed whole by one thread.
+  const std::vector<gla_capability>& capabilities() const override {
+    static const std::vector<gla_capability> records = [] {
+      gla_capability c = open_capability(unit_bit(GLA_UNIT_CHUNK_FWD) | unit_bit(GLA_UNIT_CHUNK_BWD) | kStageUnits |
+                                             unit_bit(GLA_UNIT_RECURRENT_FWD) | unit_bit(GLA_UNIT_RECURRENT_BWD),
+                                         device_bit(GLA_DEVICE_CPU) | device_bit(GLA_DEVICE_CUDA_HOST));
+      c.features = GLA_FEATURE_ALL;
+      c.deterministic = 1;
+      return std::vector<gla_capability>{c};
+    }();
+    return records;
   }
-  bool implements(int32_t unit) const override {
-    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit_is_stage(unit) ||
-           unit == GLA_UNIT_RECURRENT_FWD || unit == GLA_UNIT_RECURRENT_BWD;
-  }
-
-  Verdict verify(const gla_problem& p) const override {
-    if (!host_accessible(p.device_type)) {
-      return Verdict::no(std::string("cpu reads host memory only, got device ") + device_type_name(p.device_type));
-    }
-    if (p.dtype != GLA_DTYPE_F32 && p.dtype != GLA_DTYPE_F16 && p.dtype != GLA_DTYPE_BF16) {
-      return Verdict::no(std::string("cpu supports float32, float16 and bfloat16 inputs, got ") + dtype_name(p.dtype));
-    }
-    if (p.gate_dtype != GLA_DTYPE_F32 && p.gate_dtype != p.dtype) {
-      return Verdict::no(std::string("cpu needs the gate in float32 or q's dtype, got ") + dtype_name(p.gate_dtype));
-    }
+  // The stage kernels' chunk-size range (the pipeline's is 64).
+  std::vector<std::string> check_more(const gla_problem& p) const override {
     if (unit_is_stage(p.unit) && (p.chunk_size < 1 || p.chunk_size > 1024)) {
-      return Verdict::no("cpu stages support chunk sizes 1..1024, got " + std::to_string(p.chunk_size));
+      return {"cpu stages support chunk sizes 1..1024, got " + std::to_string(p.chunk_size)};
     }
-    return Verdict::yes();
+    return {};
   }
 
   void run(const gla_problem& p) override {

@@ -13,7 +13,9 @@
 #include "backends/cuda/chunk_backward.hpp"
 #include "backends/cuda/chunk_forward.hpp"
 #include "backends/cuda/recurrent.hpp"
+#include "backends/cuda/recurrent_forward.hpp"
 #include "core/backend.hpp"
+#include "core/capabilities.hpp"
 
 namespace gla {
 namespace {
@@ -241,10 +243,58 @@ class CudaBackend final : public Backend {
  public:
   std::string name() const override { return "cuda"; }
   int priority() const override { return 10; }
-  bool serves_device(int32_t device_type) const override { return device_type == GLA_DEVICE_CUDA; }
-  bool implements(int32_t unit) const override {
-    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit == GLA_UNIT_RECURRENT_FWD ||
-           unit == GLA_UNIT_RECURRENT_BWD;
+  // Compute capability 8.0 and up. The forward: the float dtypes, K up to 512 (two passes of
+  // 128-wide key halves past 128), any V; the backward: 16-bit q, k, v (tensor-core operands), K and
+  // V up to 512; the recurrent forward: K up to kRecurrentMaxK (the state tile in registers). Rows
+  // at stride 1 (vector loads); no saved chunk states; no atomics anywhere, so deterministic.
+  const std::vector<gla_capability>& capabilities() const override {
+    static const std::vector<gla_capability> records = [] {
+      const uint32_t chunk_features = GLA_FEATURE_VARLEN | GLA_FEATURE_INITIAL_STATE | GLA_FEATURE_FINAL_STATE |
+                                      GLA_FEATURE_STATE_V_FIRST | GLA_FEATURE_PER_KEY_GATE | GLA_FEATURE_PER_HEAD_GATE;
+      gla_capability forward = open_capability(unit_bit(GLA_UNIT_CHUNK_FWD), device_bit(GLA_DEVICE_CUDA));
+      forward.min_compute_capability = 80;
+      forward.k_max = 512;
+      forward.features = chunk_features;
+      forward.layout = GLA_LAYOUT_LAST_DIM_CONTIGUOUS;
+      forward.deterministic = 1;
+      gla_capability backward = forward;
+      backward.unit_mask = unit_bit(GLA_UNIT_CHUNK_BWD);
+      backward.dtype_mask = dtype_bit(GLA_DTYPE_F16) | dtype_bit(GLA_DTYPE_BF16);
+      backward.v_max = 512;
+      gla_capability recurrent = forward;
+      recurrent.unit_mask = unit_bit(GLA_UNIT_RECURRENT_FWD);
+      recurrent.k_max = cuda::kRecurrentMaxK;
+      recurrent.features = GLA_FEATURE_ALL & ~(GLA_FEATURE_CHUNK_STATES | GLA_FEATURE_PER_HEAD_GATE);
+      return std::vector<gla_capability>{forward, backward, recurrent};
+    }();
+    return records;
+  }
+
+  int compute_capability(const gla_problem& p) const override {
+    const DeviceInfo& d = device_info(p.device_index);
+    return d.ok ? 10 * d.major + d.minor : -1;
+  }
+
+  // What the declaration cannot say: the device's visibility, where cu_seqlens lives, grid limits.
+  std::vector<std::string> check_more(const gla_problem& p) const override {
+    std::vector<std::string> why;
+    if (!device_info(p.device_index).ok) why.push_back("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
+    if (p.unit == GLA_UNIT_RECURRENT_FWD) {
+      for (auto& w : cuda::recurrent_checks(p)) why.push_back(std::move(w));
+      return why;
+    }
+    if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) why.push_back("cu_seqlens must be in CUDA device memory");
+    if (p.backward) {
+      if (p.H > 65535) why.push_back("H > 65535 (grid limit)");
+      // dv runs the forward's kernels (the forward's grid limits apply).
+      if (present(p.dv) && p.H * ((p.V + 31) / 32) > 65535) why.push_back("H * ceil(V/32) > 65535 (grid limit)");
+      if (p.N > (int64_t(1) << 24)) why.push_back("more than 2^24 sequences");
+      return why;
+    }
+    const int64_t value_tiles = (p.V + 31) / 32;
+    if (p.H * value_tiles > 65535) why.push_back("H * ceil(V/32) > 65535 (grid limit)");
+    if (p.N > (int64_t(1) << 24)) why.push_back("more than 2^24 sequences");
+    return why;
   }
 
   Verdict available() const override {
@@ -255,62 +305,6 @@ class CudaBackend final : public Backend {
       return Verdict::no(std::string("CUDA runtime reports no usable driver or device: ") + cudaGetErrorString(err));
     }
     if (count == 0) return Verdict::no("no CUDA device present");
-    return Verdict::yes();
-  }
-
-  Verdict verify(const gla_problem& p) const override {
-    if (p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD) {
-      const DeviceInfo& d = device_info(p.device_index);
-      if (!d.ok) return Verdict::no("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
-      if (d.major < 8) return Verdict::no("compute capability " + std::to_string(d.major) + "." + std::to_string(d.minor) + " < 8.0");
-      return cuda::verify_recurrent(p);
-    }
-    if (p.unit != GLA_UNIT_CHUNK_FWD && p.unit != GLA_UNIT_CHUNK_BWD) {
-      return Verdict::no("implements the whole chunk forward and backward, not the stages");
-    }
-    const DeviceInfo& d = device_info(p.device_index);
-    if (!d.ok) return Verdict::no("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
-    if (d.major < 8) {
-      return Verdict::no("compute capability " + std::to_string(d.major) + "." + std::to_string(d.minor) +
-                         " < 8.0 (kernels need sm_80+)");
-    }
-    if (element_type(p.dtype) < 0 || element_type(p.gate_dtype) < 0) return Verdict::no("dtype not fp32/fp16/bf16");
-    if (p.K > 512) return Verdict::no("K=" + std::to_string(p.K) + " > 512 supported by the CUDA kernels");
-    struct Named {
-      const char* name;
-      const gla_tensor* t;
-    };
-    for (const Named& x : {Named{"q", &p.q}, Named{"k", &p.k}, Named{"v", &p.v}, Named{"o", &p.o}, Named{"do", &p.do_},
-                           Named{"dq", &p.dq}, Named{"dk", &p.dk}, Named{"dv", &p.dv}}) {
-      if (present(*x.t) && x.t->strides[3] != 1 && x.t->sizes[3] != 1) {
-        return Verdict::no(std::string(x.name) + " needs a contiguous last dimension (stride 1), got stride " +
-                           std::to_string(x.t->strides[3]));
-      }
-    }
-    for (const Named& x : {Named{"g", &p.g}, Named{"dg", &p.dg}}) {
-      if (present(*x.t) && !p.gate_per_head && x.t->strides[3] != 1 && x.t->sizes[3] != 1) {
-        return Verdict::no(std::string(x.name) + " needs a contiguous last dimension (stride 1), got stride " +
-                           std::to_string(x.t->strides[3]));
-      }
-    }
-    if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) {
-      return Verdict::no("cu_seqlens must be in CUDA device memory");
-    }
-    if (p.backward) {
-      if (p.dtype == GLA_DTYPE_F32) {
-        return Verdict::no("the CUDA backward runs on 16-bit tensor-core operands: q, k, v in float32 are not served");
-      }
-      if (p.V > 512) return Verdict::no("V=" + std::to_string(p.V) + " > 512 supported by the CUDA backward");
-      if (present(p.dg) && element_type(p.dg.dtype) < 0) return Verdict::no("dg dtype not fp32/fp16/bf16");
-      if (p.H > 65535) return Verdict::no("H > 65535 (grid limit)");
-      // dv runs the forward's kernels (the grid limits below apply).
-      if (present(p.dv) && p.H * ((p.V + 31) / 32) > 65535) return Verdict::no("H * ceil(V/32) > 65535 (grid limit)");
-      if (p.N > (int64_t(1) << 24)) return Verdict::no("more than 2^24 sequences");
-      return Verdict::yes();
-    }
-    const int64_t value_tiles = (p.V + 31) / 32;
-    if (p.H * value_tiles > 65535) return Verdict::no("H * ceil(V/32) > 65535 (grid limit)");
-    if (p.N > (int64_t(1) << 24)) return Verdict::no("more than 2^24 sequences");
     return Verdict::yes();
   }
 
@@ -403,6 +397,46 @@ class CudaBackend final : public Backend {
     if (err != cudaSuccess) {
       fail(GLA_STATUS_BACKEND_ERROR, std::string("cuda backward launch failed: ") + cudaGetErrorString(err));
     }
+  }
+
+  // The `fastest` policy's clock on CUDA devices: events on the call's stream around one run.
+  bool can_time(const gla_problem& p) const override { return p.device_type == GLA_DEVICE_CUDA; }
+  double time_run_ms(const gla_problem& p, const std::function<void()>& run) override {
+    DeviceGuard guard(p.device_index);
+    auto stream = static_cast<cudaStream_t>(p.stream);
+    cudaEvent_t start = nullptr, stop = nullptr;
+    cudaError_t err = cudaEventCreate(&start);
+    if (err == cudaSuccess) err = cudaEventCreate(&stop);
+    if (err == cudaSuccess) err = cudaEventRecord(start, stream);
+    if (err == cudaSuccess) {
+      try {
+        run();
+      } catch (...) {
+        cudaEventDestroy(start);
+        cudaEventDestroy(stop);
+        throw;
+      }
+      err = cudaEventRecord(stop, stream);
+    }
+    if (err == cudaSuccess) err = cudaEventSynchronize(stop);
+    float ms = -1;
+    if (err == cudaSuccess) err = cudaEventElapsedTime(&ms, start, stop);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      fail(GLA_STATUS_BACKEND_ERROR, std::string("timing with CUDA events failed: ") + cudaGetErrorString(err));
+    }
+    return ms;
+  }
+  bool stream_capturing(const gla_problem& p) const override {
+    if (p.device_type != GLA_DEVICE_CUDA) return false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(static_cast<cudaStream_t>(p.stream), &status) != cudaSuccess) {
+      cudaGetLastError();
+      return true;  // cannot tell: do not measure
+    }
+    return status != cudaStreamCaptureStatusNone;
   }
 
   void* allocate(const gla_problem& p, size_t bytes) override {

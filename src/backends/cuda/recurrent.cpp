@@ -46,35 +46,24 @@ void copy3(const gla_tensor& t, int64_t* out) {
 
 }  // namespace
 
-Verdict verify_recurrent(const gla_problem& p) {
-  if (p.unit == GLA_UNIT_RECURRENT_BWD) {
-    return Verdict::no("the recurrent backward is not implemented on CUDA (the torch backend serves it)");
-  }
-  if (element_type_of(p.dtype) < 0) return Verdict::no(std::string("dtype ") + dtype_name(p.dtype) + " not fp32/fp16/bf16");
-  if (p.K > kRecurrentMaxK) {
-    return Verdict::no("K=" + std::to_string(p.K) + " > " + std::to_string(kRecurrentMaxK) + " held by the recurrent kernel");
-  }
+std::vector<std::string> recurrent_checks(const gla_problem& p) {
+  std::vector<std::string> why;
+  const bool pool = present(p.state_slots);
   struct Named {
     const char* name;
     const gla_tensor* t;
   };
-  for (const Named& x : {Named{"q", &p.q}, Named{"k", &p.k}, Named{"v", &p.v}, Named{"o", &p.o}, Named{"gk", &p.g}, Named{"gv", &p.gv}}) {
-    if (present(*x.t) && x.t->strides[3] != 1 && x.t->sizes[3] != 1) {
-      return Verdict::no(std::string(x.name) + " needs a contiguous last dimension (stride 1), got stride " +
-                         std::to_string(x.t->strides[3]));
-    }
-  }
-  const bool pool = present(p.state_slots);
   for (const Named& x : {Named{pool ? "state_pool" : "initial_state", &p.initial_state},
                          Named{"final_state", &p.final_state}, Named{"token_states", &p.token_states}}) {
-    const std::string reason = state_tile_reason(x.name, *x.t);
-    if (!reason.empty()) return Verdict::no(reason);
+    if (pool && x.t == &p.final_state) continue;  // the same pool, already checked
+    std::string reason = state_tile_reason(x.name, *x.t);
+    if (!reason.empty()) why.push_back(std::move(reason));
   }
-  if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) return Verdict::no("cu_seqlens must be in CUDA device memory");
+  if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) why.push_back("cu_seqlens must be in CUDA device memory");
   const int64_t tiles = (p.V + kRecurrentValueTile - 1) / kRecurrentValueTile;
-  if (p.N * tiles > 0x7fffffff) return Verdict::no("N * ceil(V/32) > 2^31 - 1 (grid limit)");
-  if (p.H > 65535) return Verdict::no("H > 65535 (grid limit)");
-  return Verdict::yes();
+  if (p.N * tiles > 0x7fffffff) why.push_back("N * ceil(V/32) > 2^31 - 1 (grid limit)");
+  if (p.H > 65535) why.push_back("H > 65535 (grid limit)");
+  return why;
 }
 
 void run_recurrent(const gla_problem& p) {

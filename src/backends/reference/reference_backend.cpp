@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/capabilities.hpp"
 #include "core/parallel.hpp"
 
 namespace gla {
@@ -167,12 +168,19 @@ class ReferenceBackend final : public Backend {
   std::string name() const override { return "reference"; }
   // Closes the candidate list: every other backend is tried first.
   int priority() const override { return 1000; }
-  bool serves_device(int32_t device_type) const override { return host_accessible(device_type); }
-  bool implements(int32_t unit) const override {
-    return unit == GLA_UNIT_CHUNK_FWD || unit == GLA_UNIT_CHUNK_BWD || unit_is_stage(unit) ||
-           unit == GLA_UNIT_RECURRENT_FWD || unit == GLA_UNIT_RECURRENT_BWD;
+  // Everything the core validates, on host memory: every unit, dtype, size, feature and layout;
+  // deterministic (one task per (sequence, head), each computed whole in fp64).
+  const std::vector<gla_capability>& capabilities() const override {
+    static const std::vector<gla_capability> records = [] {
+      gla_capability c = open_capability(unit_bit(GLA_UNIT_CHUNK_FWD) | unit_bit(GLA_UNIT_CHUNK_BWD) | kStageUnits |
+                                             unit_bit(GLA_UNIT_RECURRENT_FWD) | unit_bit(GLA_UNIT_RECURRENT_BWD),
+                                         device_bit(GLA_DEVICE_CPU) | device_bit(GLA_DEVICE_CUDA_HOST));
+      c.features = GLA_FEATURE_ALL & ~GLA_FEATURE_CHUNK_STATES;
+      c.deterministic = 1;
+      return std::vector<gla_capability>{c};
+    }();
+    return records;
   }
-  Verdict verify(const gla_problem&) const override { return Verdict::yes(); }
   std::string plan_note(const gla_problem& p) const override {
     return std::string("fp64 token loop (SPEC.md recurrence), one task per (sequence, head): ") +
            std::to_string(p.N * p.H) + " tasks";
