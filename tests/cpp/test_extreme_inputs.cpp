@@ -122,6 +122,27 @@ TEST(ExtremeInputs, StagePipelinesMatchReference) {
   }
 }
 
+// The optional input check passes the legal extremes (g = -inf is a hard reset, SPEC.md §3.8) and
+// still names a NaN or +inf gate.
+TEST(ExtremeInputs, InputCheckAcceptsHardResets) {
+  for (const ExtremeCase& x : extreme_cases()) {
+    SCOPED_TRACE(x.name);
+    Outputs checked, plain;
+    ASSERT_EQ(run_forward(x.in, checked, {"reference", false, true}), GLA_STATUS_OK) << gla_last_error();
+    ASSERT_EQ(run_forward(x.in, plain, {"reference"}), GLA_STATUS_OK) << gla_last_error();
+    EXPECT_EQ(checked.o.bytes, plain.o.bytes);
+  }
+  for (double bad : {std::nan(""), std::numeric_limits<double>::infinity()}) {
+    Inputs in = extreme_cases()[0].in;
+    in.g.set(3 * 2 * 16 + 16 + 5, bad);  // g[0, 3, 1, 5]
+    Outputs out;
+    EXPECT_EQ(run_forward(in, out, {"reference", false, true}), GLA_STATUS_INVALID_ARGUMENT);
+    const std::string error = gla_last_error();
+    EXPECT_NE(error.find(std::string("g: input check found ") + (std::isnan(bad) ? "NaN" : "Inf") + " at [0, 3, 1, 5]"),
+              std::string::npos) << error;
+  }
+}
+
 // x with the same logical values stored with `strides` in a buffer of `extent` elements (the
 // elements between stay NaN, so reading one of them shows).
 HostTensor relayout(const HostTensor& x, const std::vector<int64_t>& strides, int64_t extent) {
