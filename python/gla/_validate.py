@@ -67,15 +67,16 @@ def check_float64(q: Tensor, k: Tensor, v: Tensor, g: Tensor, initial_state: Opt
         host = cu_seqlens.to("cpu")  # the float64 path reads the offsets on the host anyway
 
     def metadata(name, t):
+        """q, k, v, g, initial_state as metadata (no data pointer), float64 described as float32."""
         d = _tensors.describe(name, t)
-        if d is not None and t.is_floating_point():
-            d.data = None  # metadata only: nothing reads floating-point data here
+        if d is not None:
+            d.data = None
             if t.dtype == torch.float64:
                 d.dtype = _lib.F32
         return d
 
-    d = [metadata(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
-                                     ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", host))]
+    d = [metadata(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state))]
+    d += [_tensors.describe("cu_seqlens", cu_seqlens), _tensors.describe("cu_seqlens_host", host)]
     args = _lib.ForwardArgs(*[ctypes.pointer(x) if x is not None else None for x in d], None, None)
     opts = _lib.make_options(scale, state_v_first, "", _lib.POLICY_DEFAULT)
     text = ctypes.c_char_p()

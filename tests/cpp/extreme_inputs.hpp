@@ -173,8 +173,9 @@ inline gla_status recurrent_reference_in_slices(const Inputs& in, int64_t slice,
 // 10^6 tokens (by default) in three int64-offset sequences, one of them empty, H = 1, K = V = 4;
 // weak decay (n = 1000: about 2000 tokens of memory) with a hard reset every 100003 tokens and a
 // run of 10^4 exact-zero gates, so the state carries far.
-inline Inputs long_sequence_inputs(int64_t T = 1000000) {
+inline Inputs long_sequence_inputs(int32_t dtype = GLA_DTYPE_F32, int64_t T = 1000000) {
   Case c = extreme_base(1, T, 1, 4, 4, 320);
+  c.dtype = dtype;
   c.normaliser = 1000;
   c.cu_seqlens = {0, T / 4, T / 4, T};
   Inputs in = make_inputs(c);

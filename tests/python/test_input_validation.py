@@ -119,6 +119,12 @@ def test_float64_dtypes(name, dtype, pattern):
         _call(x64)
 
 
+def test_float64_cu_seqlens_dtype_is_named_as_given():
+    x64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in X.items()}
+    with pytest.raises(TypeError, match=r"^cu_seqlens: expected dtype int32 or int64, got float64"):
+        _call(x64, initial_state=None, cu_seqlens=torch.tensor([0.0, 12.0], dtype=torch.float64))
+
+
 def test_float64_valid_calls_are_served():
     x = make_inputs(B=1, T=40, H=2, K=8, V=4, cu_seqlens=[0, 0, 17, 40], seed=52)
     x64 = {n: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for n, t in x.items()}
