@@ -1,8 +1,9 @@
 """Extreme but legal inputs through gla.chunk_gla on every CPU backend (torch, cpu) against the
 reference backend, forward and backward in float32: gates in [-1e4, 0] with exact zeros and -inf,
 q/k/v up to 1e4, K or V of 1, T = 1, varlen batches full of empty sequences; and non-contiguous
-tensors, served with the contiguous answer or declined with a reason. The C++ side of the same
-(reference stage pipeline, cpu, 10^6 tokens): tests/cpp/test_extreme_inputs.cpp."""
+tensors, served with the contiguous answer or declined with a reason; on a GPU, the torch backend on
+CUDA tensors (marker cuda). The C++ side of the same (reference stage pipeline, cpu, 10^6 tokens,
+the cuda backend): tests/cpp/test_extreme_inputs.cpp, test_cuda_extremes.cpp."""
 import pytest
 import torch
 
@@ -84,13 +85,13 @@ def _run(x, backend, **layout):
     return [o.detach(), ht.detach(), *grads]
 
 
-def _compare(got, want, what):
+def _compare(got, want, what, tolerance=TOLERANCE):
     for name, a, b in zip(("o", "final_state", "dq", "dk", "dv", "dg", "dh0"), got, want):
         finite = torch.isfinite(b)
         assert finite.all(), f"{what}: the reference's {name} is not finite"
         assert torch.isfinite(a).all(), f"{what}: {name} has NaN/Inf where the reference has none"
         err = rel(a, b)
-        assert err < TOLERANCE, f"{what}: {name} rel {err:.3g}"
+        assert err < tolerance, f"{what}: {name} rel {err:.3g}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -98,6 +99,16 @@ def _compare(got, want, what):
 def test_extreme_inputs_match_reference(case, backend):
     x = _case(case)
     _compare(_run(x, backend), _run(x, "reference"), f"{backend}, {case}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the torch backend on CUDA tensors skipped")
+@pytest.mark.parametrize("case", CASES)
+def test_extreme_inputs_torch_backend_on_cuda(case):
+    """The torch backend computing on CUDA tensors (SPEC.md §5: 1e-3 for fp32 on a GPU, TF32 allowed)."""
+    x = _case(case)
+    on_gpu = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    _compare(_run(on_gpu, "torch"), _run(x, "reference"), f"torch on cuda, {case}", tolerance=1e-3)
 
 
 def _layouts(x):
