@@ -99,6 +99,9 @@ inline std::vector<ExtremeCase> extreme_cases(int32_t dtype = GLA_DTYPE_F32) {
   Case empties = extreme_base(1, 100, 2, 16, 8, 312);
   empties.cu_seqlens = {0, 0, 0, 1, 1, 40, 40, 40, 41, 100, 100, 100};
   add("empty sequences throughout a varlen batch", empties, none);
+  Case no_tokens = extreme_base(1, 0, 2, 16, 8, 314);
+  no_tokens.cu_seqlens = {0, 0, 0};
+  add("T = 0, every sequence empty", no_tokens, none);
   Case gaps = empties;
   gaps.seed = 313;
   gaps.initial_state = false;

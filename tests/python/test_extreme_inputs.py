@@ -111,6 +111,16 @@ def test_extreme_inputs_torch_backend_on_cuda(case):
     _compare(_run(on_gpu, "torch"), _run(x, "reference"), f"torch on cuda, {case}", tolerance=1e-3)
 
 
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("cu", [None, [0, 0, 0]], ids=["batch", "varlen"])
+def test_no_tokens_at_all(backend, cu):
+    """T = 0: o is empty, the final state is the initial state and its gradient passes through."""
+    x = make_inputs(B=1 if cu else 2, T=0, H=2, K=8, V=4, cu_seqlens=cu, seed=407)
+    o, ht, dq, dk, dv, dg, dh0 = _run(x, backend)
+    assert o.shape == (x["q"].shape[0], 0, 2, 4) and dq.numel() == 0
+    assert torch.equal(ht, x["initial_state"]) and torch.equal(dh0, x["dht"])
+
+
 def _layouts(x):
     """name -> the inputs stored differently (same values)."""
     def head_major(t):
