@@ -4,7 +4,8 @@
 #               (and libFuzzer coverage): the C++ tests named in ASAN_TESTS, then each libFuzzer
 #               target for FUZZ_SECONDS from its seed corpus (tests/fuzz/corpus).
 #   build-tsan  the same with ThreadSanitizer: the concurrency tests (and the registry stress test).
-# FUZZ_SECONDS=0 skips the fuzzing; a longer run: FUZZ_SECONDS=3600 scripts/sanitize.sh.
+# FUZZ_SECONDS=0 skips the fuzzing; a long run over many cores: scripts/fuzz_long.sh.
+# The builds: scripts/sanitizer_build.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FUZZ_SECONDS=${FUZZ_SECONDS:-30}
@@ -12,21 +13,12 @@ FUZZ_SECONDS=${FUZZ_SECONDS:-30}
 # The C++ tests whose code paths the sanitizers check: validation and every bad-input class, the
 # registry and plug-ins, workspaces, saved chunk states, hard-reset gates, the command line, and the
 # cpu backend on one grid slice. The whole grid under ASan is ~10x its plain time.
-ASAN_TESTS=${ASAN_TESTS:-'Validation*:InputCheck*:Overflow*:OptionsSize*:Overlap*:CallbackMessages*:Cli*:Registry*:Plugins*:Fastest*:Capabilit*:Workspace*:ChunkStates*:HardReset*:Concurrency*:Oracle*:Reference*:CpuBackend.StridedInputsAndStates:CpuBackend.StagesMixWithReferenceStages:CpuBackend.PartialGradientRequests'}
+ASAN_TESTS=${ASAN_TESTS:-'Validation*:InputCheck*:Overflow*:OptionsSize*:Overlap*:CallbackMessages*:Cli*:Registry*:Plugins*:Fastest*:Capabilit*:Workspace*:ChunkStates*:HardReset*:Concurrency*:Oracle*:Reference*:CpuBackend.StridedInputsAndStates:CpuBackend.StagesMixWithReferenceStages:CpuBackend.PartialGradientRequests:ExtremeInputs*:-ExtremeInputs.MillionTokenSequenceOnCpu'}
 TSAN_TESTS=${TSAN_TESTS:-'Concurrency*:Registry.ConcurrentCallsWhileRegistering:FastestStress*:Fastest.ConcurrentFirstCallsMeasureOnce'}
-
-configure() {  # dir, sanitizer flags
-  local flags="-O1 -g -fno-omit-frame-pointer $2"
-  CC=clang CXX=clang++ cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=None -DGLA_CUDA=OFF -DGLA_BUILD_BENCH=OFF \
-    "-DCMAKE_C_FLAGS=$flags" "-DCMAKE_CXX_FLAGS=$flags" "${@:3}" >/dev/null
-}
 
 status=0
 start=$(date +%s)
-configure build-asan "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fsanitize=fuzzer-no-link -include $PWD/tests/fuzz/portable_kernels_only.h" \
-  -DGLA_BUILD_FUZZ=ON "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined" \
-  "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address,undefined" "-DCMAKE_MODULE_LINKER_FLAGS=-fsanitize=address,undefined"
-ninja -C build-asan
+scripts/sanitizer_build.sh asan
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:strict_string_checks=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 build-asan/tests/cpp/gla_tests --gtest_brief=1 "--gtest_filter=$ASAN_TESTS" || status=1
@@ -46,9 +38,7 @@ if [ "$FUZZ_SECONDS" -gt 0 ]; then
   echo "sanitize: fuzzing done after $(( $(date +%s) - start )) s"
 fi
 
-configure build-tsan "-fsanitize=thread -include $PWD/tests/fuzz/portable_kernels_only.h" "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread" \
-  "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread" "-DCMAKE_MODULE_LINKER_FLAGS=-fsanitize=thread"
-ninja -C build-tsan gla_tests
+scripts/sanitizer_build.sh tsan gla_tests
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build-tsan/tests/cpp/gla_tests --gtest_brief=1 \
   "--gtest_filter=$TSAN_TESTS" || status=1
 echo "sanitize: tsan done after $(( $(date +%s) - start )) s"

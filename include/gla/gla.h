@@ -122,7 +122,8 @@ typedef struct gla_options {
   /* 1: always run the stage pipeline (each stage dispatched on its own), even when a backend
    * accepts the whole operation. For testing and for mixing backends on purpose. */
   int32_t force_stage_pipeline;
-  /* 1: scan the inputs first and reject NaN/Inf values and g > 0, naming the first position.
+  /* 1: scan the inputs first and reject NaN/Inf values, and NaN or positive gates (g = -inf, a hard
+   * reset, is legal), naming the first position.
    * Costs one pass over the data (and a device-to-host copy for device tensors). */
   int32_t check_inputs;
   /* Opaque stream for asynchronous devices (a cudaStream_t for CUDA; NULL = the default stream). */

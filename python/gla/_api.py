@@ -10,7 +10,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _chunked, _lib, _ops, _tensors
+from . import _chunked, _lib, _ops, _tensors, _validate
 
 
 def _as_host_offsets(cu_seqlens_cpu) -> Optional[Tensor]:
@@ -29,7 +29,8 @@ def _default_scale(q: Tensor, scale: Optional[float]) -> float:
 def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None,
               initial_state: Optional[Tensor] = None, output_final_state: bool = False,
               state_v_first: bool = False, cu_seqlens: Optional[Tensor] = None,
-              cu_seqlens_cpu: Optional[Union[Tensor, Sequence[int]]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+              cu_seqlens_cpu: Optional[Union[Tensor, Sequence[int]]] = None,
+              check_inputs: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     r"""Gated linear attention, chunked form; the call of fla's ``chunk_gla``.
 
     Args:
@@ -42,27 +43,33 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float]
         output_final_state: also return the final state (float32, like initial_state).
         cu_seqlens: ``[N + 1]`` int32/int64 sequence offsets for packed variable-length input (B == 1).
         cu_seqlens_cpu: a host copy of cu_seqlens; with it nothing synchronises the host.
+        check_inputs: first scan the inputs (and, in the backward, the incoming gradients) for NaN/Inf
+            and for NaN or positive gates, and raise ValueError naming the first position. Costs a
+            pass over the data (and a device-to-host copy for device tensors).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state or None.
 
     Differentiable in q, k, v, g and initial_state. Raises ValueError (invalid argument) or TypeError
-    (dtype problems) with libgla's message, RuntimeError otherwise.
+    (dtype problems) with libgla's message, RuntimeError otherwise. Tensors on the meta device are
+    rejected (they hold no data); torch.compile traces through with fake tensors.
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
-                    ("cu_seqlens", cu_seqlens)):
+    named = (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens))
+    for name, t in named:
         if t is not None and not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _validate.reject_meta(named + (("cu_seqlens_cpu", cu_seqlens_cpu),))
     if not _ops._loaded:
         _ops.ensure_loaded()  # raises ImportError when libgla is missing
     backend_name = _ops.current_backend()
+    host = _as_host_offsets(cu_seqlens_cpu)
     if q.dtype == torch.float64:
         return _float64_chunk_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                                  backend_name)
+                                  host, backend_name, bool(check_inputs))
     try:
-        o, final = _ops.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, _as_host_offsets(cu_seqlens_cpu),
-                                  _default_scale(q, scale), bool(state_v_first), bool(output_final_state),
-                                  backend_name, _ops.current_policy())
+        o, final = _ops.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, host, _default_scale(q, scale),
+                                  bool(state_v_first), bool(output_final_state), backend_name, _ops.current_policy(),
+                                  bool(check_inputs))
     except RuntimeError as e:
         raise _lib.python_error(e) from None
     return o, (final if output_final_state else None)
@@ -73,28 +80,35 @@ class _Float64ChunkGLA(torch.autograd.Function):
     its hand-written backward included, which is what torch.autograd.gradcheck checks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, offsets, scale, state_v_first, output_final_state):
+    def forward(ctx, q, k, v, g, initial_state, offsets, scale, state_v_first, output_final_state, check_inputs):
         o, ht = _chunked.chunk_forward(q, k, v, g, scale, initial_state, offsets, state_v_first, output_final_state)
         ctx.save_for_backward(q, k, v, g, initial_state)
-        ctx.offsets, ctx.scale, ctx.state_v_first = offsets, scale, state_v_first
+        ctx.offsets, ctx.scale, ctx.state_v_first, ctx.check_inputs = offsets, scale, state_v_first, check_inputs
         return o.to(v.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, initial_state = ctx.saved_tensors
+        if ctx.check_inputs:
+            _validate.check_values((("do", do, False), ("dht", dht, False)))
         dq, dk, dv, dg, dh0 = _chunked.chunk_backward(q, k, v, g, ctx.scale, initial_state, ctx.offsets,
                                                       ctx.state_v_first, do=do, dht=dht)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
-                dh0 if initial_state is not None else None, None, None, None, None)
+                dh0 if initial_state is not None else None, None, None, None, None, None)
 
 
-def _float64_chunk_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, backend_name):
+def _float64_chunk_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, host,
+                       backend_name, check_inputs):
     if backend_name not in ("", "torch"):
         raise TypeError(f"q: float64 is served only by the 'torch' backend (in Python), but backend '{backend_name}' "
                         "is forced; libgla takes float32, float16 or bfloat16")
-    offsets = cu_seqlens.tolist() if cu_seqlens is not None else None
-    o, ht = _Float64ChunkGLA.apply(q, k, v, g, initial_state, offsets, _default_scale(q, scale), bool(state_v_first),
-                                   bool(output_final_state))
+    scale = _default_scale(q, scale)
+    offsets = _validate.check_float64(q, k, v, g, initial_state, cu_seqlens, host, scale, bool(state_v_first))
+    if check_inputs:
+        _validate.check_values((("q", q, False), ("k", k, False), ("v", v, False), ("g", g, True),
+                                ("initial_state", initial_state, False)))
+    o, ht = _Float64ChunkGLA.apply(q, k, v, g, initial_state, offsets, scale, bool(state_v_first),
+                                   bool(output_final_state), check_inputs)
     return o, (ht if output_final_state else None)
 
 

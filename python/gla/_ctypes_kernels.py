@@ -53,7 +53,7 @@ def _run(entry, size_entry, args, opts, device, tensors) -> None:
 
 
 def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
-              backend, policy):
+              backend, policy, check_inputs=False):
     lib = _lib.library()
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     final = (torch.empty(_ops.state_shape(q, v, _ops.num_sequences(q, cu_seqlens), state_v_first),
@@ -62,13 +62,14 @@ def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, stat
     named = (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens),
              ("cu_seqlens_host", host), ("o", o), ("final_state", final))
     args = _lib.ForwardArgs(*(_ptr(_tensors.describe(n, t)) for n, t in named))
-    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_stream(q.device))
+    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_stream(q.device),
+                             check_inputs=check_inputs)
     _run(lib.gla_chunk_forward, lib.gla_chunk_forward_workspace_size, args, opts, q.device, [t for _, t in named])
     return o, (final if final is not None else _empty_state(q))
 
 
 def chunk_bwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale, state_v_first, backend,
-              policy):
+              policy, check_inputs=False):
     lib = _lib.library()
     dq, dk, dv, dg = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g))
     dh0 = (torch.empty(initial_state.shape, dtype=torch.float32, device=initial_state.device)
@@ -78,6 +79,7 @@ def chunk_bwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, sc
              ("cu_seqlens_host", host), ("do", do), ("dht", dht), ("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg),
              ("dh0", dh0))
     args = _lib.BackwardArgs(*(_ptr(_tensors.describe(n, t)) for n, t in named))
-    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_stream(q.device))
+    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_stream(q.device),
+                             check_inputs=check_inputs)
     _run(lib.gla_chunk_backward, lib.gla_chunk_backward_workspace_size, args, opts, q.device, [t for _, t in named])
     return dq, dk, dv, dg, (dh0 if dh0 is not None else _empty_state(q))

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from . import _lib, _native
+from . import _lib, _native, _validate
 
 # ---- thread-local backend selection (read by the public wrappers; dynamo guards on it) ----
 selection = threading.local()
@@ -38,10 +38,10 @@ def current_policy() -> int:
 SCHEMAS = {
     "chunk_fwd": "chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
                  "Tensor? cu_seqlens_cpu, float scale, bool state_v_first, bool output_final_state, str backend, "
-                 "int policy) -> (Tensor, Tensor)",
+                 "int policy, bool check_inputs=False) -> (Tensor, Tensor)",
     "chunk_bwd": "chunk_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
                  "Tensor? cu_seqlens_cpu, Tensor? do, Tensor? dht, float scale, bool state_v_first, str backend, "
-                 "int policy) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+                 "int policy, bool check_inputs=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 }
 # Devices whose kernels are the Python ones even when libgla_torch is loaded.
 _PYTHON_KERNEL_KEYS = ("MPS", "XPU", "PrivateUse1")
@@ -105,7 +105,9 @@ def state_shape(q, v, N, state_v_first: bool):
 
 
 def _chunk_fwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first,
-                    output_final_state, backend, policy):
+                    output_final_state, backend, policy, check_inputs=False):
+    _validate.reject_meta_mixed_with_data((("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
+                                           ("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)))
     torch._check(q.dim() == 4, lambda: f"q: expected shape [B, T, H, K], got {list(q.shape)}")
     torch._check(v.dim() == 4, lambda: f"v: expected shape [B, T, H, V], got {list(v.shape)}")
     o = v.new_empty(v.shape)
@@ -116,7 +118,10 @@ def _chunk_fwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale
 
 
 def _chunk_bwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale, state_v_first,
-                    backend, policy):
+                    backend, policy, check_inputs=False):
+    _validate.reject_meta_mixed_with_data((("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
+                                           ("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu), ("do", do),
+                                           ("dht", dht)))
     dh0 = (initial_state.new_empty(initial_state.shape, dtype=torch.float32) if initial_state is not None
            else q.new_empty(0, dtype=torch.float32))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), dh0
@@ -130,9 +135,11 @@ def _chunk_bwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, d
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
-def _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy):
+def _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy,
+          check_inputs):
     ctx.save_for_backward(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu)
     ctx.scale, ctx.state_v_first, ctx.backend, ctx.policy = scale, state_v_first, backend, policy
+    ctx.check_inputs = check_inputs
 
 
 def _gradients(ctx, do, dht):
@@ -144,29 +151,33 @@ def _gradients(ctx, do, dht):
         with _below_autograd():
             dq, dk, dv, dg, dh0 = torch.ops.gla.chunk_bwd.default(q, k, v, g, initial_state, cu_seqlens,
                                                                   cu_seqlens_cpu, do, dht, ctx.scale,
-                                                                  ctx.state_v_first, ctx.backend, ctx.policy)
+                                                                  ctx.state_v_first, ctx.backend, ctx.policy,
+                                                                  ctx.check_inputs)
     except RuntimeError as e:
         raise _lib.python_error(e) from None
     return dq, dk, dv, dg, (dh0 if initial_state is not None else None)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, _, backend, policy) = inputs
-    _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy)
+    (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, _, backend, policy,
+     check_inputs) = inputs
+    _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy,
+          check_inputs)
 
 
 def _backward(ctx, do, dht):
-    return _gradients(ctx, do, dht) + (None,) * 7
+    return _gradients(ctx, do, dht) + (None,) * 8
 
 
 class _ChunkFwd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first,
-                output_final_state, backend, policy):
+                output_final_state, backend, policy, check_inputs):
         with _below_autograd():
             out = torch.ops.gla.chunk_fwd.default(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-                                                  state_v_first, output_final_state, backend, policy)
-        _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy)
+                                                  state_v_first, output_final_state, backend, policy, check_inputs)
+        _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy,
+              check_inputs)
         return out
 
     @staticmethod
@@ -181,12 +192,12 @@ _apply = super(torch.autograd.function._SingleLevelFunction, _ChunkFwd).apply
 
 
 def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
-              backend, policy):
+              backend, policy, check_inputs=False):
     """gla::chunk_fwd with autograd, by the cheapest route that keeps its semantics: the registered
     op under torch.compile and torch.func; in eager mode the op below the autograd key, inside
     _ChunkFwd when a gradient is wanted."""
     args = (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
-            backend, policy)
+            backend, policy, check_inputs)
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return torch.ops.gla.chunk_fwd.default(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or

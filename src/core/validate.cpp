@@ -666,7 +666,8 @@ void check_input_values(const gla_problem& p, HostReader read, void* context) {
       int64_t off = 0;
       for (int d = 0; d < t.rank; ++d) off += index[d] * t.strides[d];
       const double x = load_as_double(view, off);
-      if (!std::isfinite(x) || (in.is_gate && x > 0)) {
+      // A gate may be -inf (a hard reset, SPEC.md §3.8); NaN and anything above 0 are not.
+      if (in.is_gate ? (std::isnan(x) || x > 0) : !std::isfinite(x)) {
         std::ostringstream pos;
         pos << '[';
         for (int d = 0; d < t.rank; ++d) pos << (d ? ", " : "") << index[d];

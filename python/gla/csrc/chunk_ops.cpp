@@ -30,7 +30,7 @@ std::array<int64_t, 4> state_shape(const Tensor& q, const Tensor& v, int64_t N, 
 std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state,
                                      std::optional<Tensor> cu_seqlens, std::optional<Tensor> cu_seqlens_cpu,
                                      double scale, bool state_v_first, bool output_final_state, std::string backend,
-                                     int64_t policy) {
+                                     int64_t policy, bool check_inputs) {
   gla_tensor dq = describe("q", q), dk = describe("k", k), dv = describe("v", v), dg = describe("g", g);
   gla_tensor dh0, dcu, dhost, dfinal;
   const std::optional<Tensor> host = host_offsets(cu_seqlens, cu_seqlens_cpu);
@@ -51,6 +51,7 @@ std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std
                                     &d_o,
                                     describe("final_state", final, dfinal)};
   gla_options options = make_options(scale, state_v_first, backend, policy, q);
+  options.check_inputs = check_inputs ? 1 : 0;
   run(gla_chunk_forward_workspace_size, gla_chunk_forward, args, options, q);
   return {o, final.has_value() ? *final : empty_state(q)};
 }
@@ -58,7 +59,7 @@ std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
     Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state, std::optional<Tensor> cu_seqlens,
     std::optional<Tensor> cu_seqlens_cpu, std::optional<Tensor> do_, std::optional<Tensor> dht, double scale,
-    bool state_v_first, std::string backend, int64_t policy) {
+    bool state_v_first, std::string backend, int64_t policy, bool check_inputs) {
   gla_tensor tq = describe("q", q), tk = describe("k", k), tv = describe("v", v), tg = describe("g", g);
   gla_tensor th0, tcu, thost, tdo, tdht, tdh0;
   const std::optional<Tensor> host = host_offsets(cu_seqlens, cu_seqlens_cpu);
@@ -85,6 +86,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
                                      &tdg,
                                      describe("dh0", dh0, tdh0)};
   gla_options options = make_options(scale, state_v_first, backend, policy, q);
+  options.check_inputs = check_inputs ? 1 : 0;
   run(gla_chunk_backward_workspace_size, gla_chunk_backward, args, options, q);
   return {dq, dk, dv, dg, dh0.has_value() ? *dh0 : empty_state(q)};
 }
@@ -98,11 +100,11 @@ STABLE_TORCH_LIBRARY_FRAGMENT(gla, m) {
   m.def(
       "chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
       "Tensor? cu_seqlens_cpu, float scale, bool state_v_first, bool output_final_state, str backend, "
-      "int policy) -> (Tensor, Tensor)");
+      "int policy, bool check_inputs=False) -> (Tensor, Tensor)");
   m.def(
       "chunk_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
       "Tensor? cu_seqlens_cpu, Tensor? do, Tensor? dht, float scale, bool state_v_first, str backend, "
-      "int policy) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int policy, bool check_inputs=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(gla, CPU, m) {
