@@ -75,8 +75,9 @@ def _register_operators() -> None:
     native_path, reason = _native.load()
     _library = torch.library.Library("gla", "FRAGMENT")
     if native_path is None:
-        warnings.warn(f"gla: the native PyTorch operators (libgla_torch) did not load, so gla.chunk_gla runs "
-                      f"through the ctypes fallback (tens of microseconds more per call): {reason}",
+        warnings.warn(f"gla: the native PyTorch operators (libgla_torch) did not load, so gla.chunk_gla and "
+                      f"gla.fused_recurrent_gla run through the ctypes fallback (tens of microseconds more per "
+                      f"call): {reason}",
                       RuntimeWarning, stacklevel=4)
         for name, schema in SCHEMAS.items():
             _library.define(schema)
@@ -88,6 +89,8 @@ def _register_operators() -> None:
     torch.library.register_fake("gla::chunk_fwd", _chunk_fwd_fake, lib=_library)
     torch.library.register_fake("gla::chunk_bwd", _chunk_bwd_fake, lib=_library)
     torch.library.register_autograd("gla::chunk_fwd", _backward, setup_context=_setup_context, lib=_library)
+    from . import _recurrent
+    _recurrent.register_operators(_library, native_path is not None)
 
 
 # ---- shapes shared by the fake kernels and the Python kernels ----
