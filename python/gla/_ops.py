@@ -23,15 +23,25 @@ import torch
 from . import _lib, _native
 
 # ---- thread-local backend selection (read by the public wrappers; dynamo guards on it) ----
-selection = threading.local()
+class _Selection(threading.local):
+    # Set per thread on its first access (threading.local runs __init__ in each thread), so a read
+    # never takes getattr(local, name, default)'s raise-and-catch of AttributeError (~8k of the
+    # ~148k instructions of a no_grad call, callgrind); instance attributes, which dynamo guards on
+    # (class-level defaults are not guarded: a forced backend would be baked into a compiled graph).
+    def __init__(self):
+        self.backend = ""
+        self.policy = _lib.POLICY_DEFAULT
+
+
+selection = _Selection()
 
 
 def current_backend() -> str:
-    return getattr(selection, "backend", "")
+    return selection.backend
 
 
 def current_policy() -> int:
-    return getattr(selection, "policy", _lib.POLICY_DEFAULT)
+    return selection.policy
 
 
 # The schemas; libgla_torch defines the same strings (gla/csrc/chunk_ops.cpp).
@@ -133,29 +143,30 @@ def _chunk_bwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, d
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
-def _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy):
-    ctx.save_for_backward(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu)
-    ctx.scale, ctx.state_v_first, ctx.backend, ctx.policy = scale, state_v_first, backend, policy
+def _save(ctx, q, k, v, g, initial_state, rest):
+    """rest: (cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state, backend, policy)."""
+    ctx.save_for_backward(q, k, v, g, initial_state)
+    ctx.rest = rest
 
 
 def _gradients(ctx, do, dht):
     """(dq, dk, dv, dg, dh0 or None) of the forward saved in ctx."""
-    q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    q, k, v, g, initial_state = ctx.saved_tensors
+    cu_seqlens, cu_seqlens_cpu, scale, state_v_first, _, backend, policy = ctx.rest
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
     try:
         with _below_autograd():
             dq, dk, dv, dg, dh0 = torch.ops.gla.chunk_bwd.default(q, k, v, g, initial_state, cu_seqlens,
-                                                                  cu_seqlens_cpu, do, dht, ctx.scale,
-                                                                  ctx.state_v_first, ctx.backend, ctx.policy)
+                                                                  cu_seqlens_cpu, do, dht, scale, state_v_first,
+                                                                  backend, policy)
     except RuntimeError as e:
         raise _lib.python_error(e) from None
     return dq, dk, dv, dg, (dh0 if initial_state is not None else None)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, _, backend, policy) = inputs
-    _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy)
+    _save(ctx, *inputs[:5], inputs[5:])
 
 
 def _backward(ctx, do, dht):
@@ -163,18 +174,21 @@ def _backward(ctx, do, dht):
 
 
 class _ChunkFwd(torch.autograd.Function):
+    """The eager route with a gradient: the five differentiable inputs as arguments and everything
+    else as one tuple, because autograd.Function.apply inspects each argument (an isinstance check
+    through torch.Tensor's metaclass per non-tensor): 6 arguments instead of 12 take ~6k of the
+    ~177k instructions of a requires_grad call (callgrind, B1 T1 H1 D64)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first,
-                output_final_state, backend, policy):
+    def forward(ctx, q, k, v, g, initial_state, rest):
         with _below_autograd():
-            out = torch.ops.gla.chunk_fwd.default(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-                                                  state_v_first, output_final_state, backend, policy)
-        _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy)
+            out = torch.ops.gla.chunk_fwd.default(q, k, v, g, initial_state, *rest)
+        _save(ctx, q, k, v, g, initial_state, rest)
         return out
 
     @staticmethod
     def backward(ctx, do, dht):
-        return _backward(ctx, do, dht)
+        return _gradients(ctx, do, dht) + (None,)
 
 
 # autograd.Function.apply's C part. The Python classmethod in front of it binds default arguments
@@ -194,6 +208,6 @@ def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, stat
         return torch.ops.gla.chunk_fwd.default(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or
                                     (initial_state is not None and initial_state.requires_grad)):
-        return _apply(*args)
+        return _apply(q, k, v, g, initial_state, args[5:])
     with _below_autograd():
         return torch.ops.gla.chunk_fwd.default(*args)

@@ -93,43 +93,50 @@ def _state_update_fake(q, k, v, gk, gv, state_pool, state_slots, slot_error, sca
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
-def _save(ctx, q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, backend, policy):
-    ctx.save_for_backward(q, k, v, gk, gv, initial_state, cu_seqlens)
-    ctx.args = (scale, reverse, state_v_first, backend, policy)
+def _save(ctx, q, k, v, gk, gv, initial_state, rest):
+    """rest: (cu_seqlens, scale, reverse, state_v_first, output_final_state, backend, policy)."""
+    ctx.save_for_backward(q, k, v, gk, gv, initial_state)
+    ctx.rest = rest
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, _, backend, policy) = inputs
-    _save(ctx, q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, backend, policy)
+    _save(ctx, *inputs[:6], inputs[6:])
 
 
-def _backward(ctx, do, dht):
-    q, k, v, gk, gv, initial_state, cu_seqlens = ctx.saved_tensors
+def _gradients(ctx, do, dht):
+    q, k, v, gk, gv, initial_state = ctx.saved_tensors
+    cu_seqlens, scale, reverse, state_v_first, _, backend, policy = ctx.rest
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
     try:
         with _below_autograd():
             dq, dk, dv, dgk, dgv, dh0 = torch.ops.gla.recurrent_bwd.default(q, k, v, gk, gv, initial_state,
-                                                                            cu_seqlens, do, dht, *ctx.args)
+                                                                            cu_seqlens, do, dht, scale, reverse,
+                                                                            state_v_first, backend, policy)
     except RuntimeError as e:
         raise _lib.python_error(e) from None
     return (dq, dk, dv, dgk if gk is not None else None, dgv if gv is not None else None,
-            dh0 if initial_state is not None else None) + (None,) * 7
+            dh0 if initial_state is not None else None)
+
+
+def _backward(ctx, do, dht):
+    return _gradients(ctx, do, dht) + (None,) * 7
 
 
 class _RecurrentFwd(torch.autograd.Function):
+    """The eager route with a gradient; the non-differentiable arguments travel as one tuple, as in
+    _ops._ChunkFwd (apply inspects every argument)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, output_final_state,
-                backend, policy):
+    def forward(ctx, q, k, v, gk, gv, initial_state, rest):
         with _below_autograd():
-            out = torch.ops.gla.recurrent_fwd.default(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse,
-                                                      state_v_first, output_final_state, backend, policy)
-        _save(ctx, q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, backend, policy)
+            out = torch.ops.gla.recurrent_fwd.default(q, k, v, gk, gv, initial_state, *rest)
+        _save(ctx, q, k, v, gk, gv, initial_state, rest)
         return out
 
     @staticmethod
     def backward(ctx, do, dht):
-        return _backward(ctx, do, dht)
+        return _gradients(ctx, do, dht) + (None,)
 
 
 # autograd.Function.apply's C part (see _ops._apply).
@@ -153,7 +160,7 @@ def recurrent_fwd(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, st
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return torch.ops.gla.recurrent_fwd.default(*args)
     if _wants_grad(q, k, v, gk, gv, initial_state):
-        return _apply(*args)
+        return _apply(q, k, v, gk, gv, initial_state, args[6:])
     with _below_autograd():
         return torch.ops.gla.recurrent_fwd.default(*args)
 
