@@ -54,6 +54,11 @@ def register_operators(library: torch.library.Library, native: bool) -> None:
     torch.library.register_fake("gla::recurrent_bwd", _recurrent_bwd_fake, lib=library)
     torch.library.register_fake("gla::recurrent_state_update", _state_update_fake, lib=library)
     torch.library.register_autograd("gla::recurrent_fwd", _backward, setup_context=_setup_context, lib=library)
+    global _fwd_op, _bwd_op, _update_op
+    _fwd_op, _bwd_op, _update_op = (_ops.eager_entry(n) for n in SCHEMAS)
+
+
+_fwd_op = _bwd_op = _update_op = None  # the eager entries (_ops.eager_entry), set by register_operators
 
 
 # ---- fake kernels ----
@@ -103,16 +108,15 @@ def _setup_context(ctx, inputs, output):
     _save(ctx, *inputs[:6], inputs[6:])
 
 
-def _gradients(ctx, do, dht):
+def _gradients(ctx, do, dht, recurrent_bwd):
     q, k, v, gk, gv, initial_state = ctx.saved_tensors
     cu_seqlens, scale, reverse, state_v_first, _, backend, policy = ctx.rest
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
     try:
         with _below_autograd():
-            dq, dk, dv, dgk, dgv, dh0 = torch.ops.gla.recurrent_bwd.default(q, k, v, gk, gv, initial_state,
-                                                                            cu_seqlens, do, dht, scale, reverse,
-                                                                            state_v_first, backend, policy)
+            dq, dk, dv, dgk, dgv, dh0 = recurrent_bwd(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht, scale,
+                                                      reverse, state_v_first, backend, policy)
     except RuntimeError as e:
         raise _lib.python_error(e) from None
     return (dq, dk, dv, dgk if gk is not None else None, dgv if gv is not None else None,
@@ -120,7 +124,7 @@ def _gradients(ctx, do, dht):
 
 
 def _backward(ctx, do, dht):
-    return _gradients(ctx, do, dht) + (None,) * 7
+    return _gradients(ctx, do, dht, torch.ops.gla.recurrent_bwd.default) + (None,) * 7
 
 
 class _RecurrentFwd(torch.autograd.Function):
@@ -130,13 +134,13 @@ class _RecurrentFwd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, gk, gv, initial_state, rest):
         with _below_autograd():
-            out = torch.ops.gla.recurrent_fwd.default(q, k, v, gk, gv, initial_state, *rest)
+            out = _fwd_op(q, k, v, gk, gv, initial_state, *rest)
         _save(ctx, q, k, v, gk, gv, initial_state, rest)
         return out
 
     @staticmethod
     def backward(ctx, do, dht):
-        return _gradients(ctx, do, dht) + (None,)
+        return _gradients(ctx, do, dht, _bwd_op) + (None,)
 
 
 # autograd.Function.apply's C part (see _ops._apply).
@@ -162,7 +166,7 @@ def recurrent_fwd(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, st
     if _wants_grad(q, k, v, gk, gv, initial_state):
         return _apply(q, k, v, gk, gv, initial_state, args[6:])
     with _below_autograd():
-        return torch.ops.gla.recurrent_fwd.default(*args)
+        return _fwd_op(*args)
 
 
 _increment_version = torch.autograd.graph.increment_version
@@ -175,7 +179,7 @@ class _StateUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *args):
         with _below_autograd():
-            return torch.ops.gla.recurrent_state_update.default(*args)
+            return _update_op(*args)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -196,7 +200,7 @@ def state_update(q, k, v, gk, gv, state_pool, state_slots, slot_error, scale, st
         out = _StateUpdate.apply(*args)
     else:
         with _below_autograd():
-            out = torch.ops.gla.recurrent_state_update.default(*args)
+            out = _update_op(*args)
     _increment_version((state_pool, slot_error))
     return out
 
