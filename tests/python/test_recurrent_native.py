@@ -3,10 +3,7 @@ are the ones serving CPU (and CUDA) tensors, that the eager routes compute what 
 autograd computes, torch.compile(fullgraph=True) of the forward + backward and of the pool update,
 opcheck, errors of the op itself, version counters and the non-differentiable pool update, the
 ctypes fallback, and (GPU) a decode step that never synchronises the host."""
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -14,9 +11,9 @@ import torch
 
 import gla
 from gla import _lib, _ops, _recurrent_ctypes
+from test_native_ops import run_with_ctypes_fallback
 from test_recurrent import make, oracle, pool_reference, rel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_native = pytest.mark.skipif(_ops.native_path is None,
                                   reason="libgla_torch is not built beside libgla (needs torch at build time)")
 OPS = ("gla::recurrent_fwd", "gla::recurrent_bwd", "gla::recurrent_state_update")
@@ -218,13 +215,7 @@ def test_ctypes_fallback_serves_the_recurrent_ops():
         assert rel(f(x["q"], x["k"], x["v"]), gla.fused_recurrent_gla(x["q"], x["k"], x["v"])[0].sum()) < 1e-6
         print("fallback ok")
     """)
-    env = dict(os.environ, GLA_NATIVE_OPS="0",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.path.dirname(__file__),
-                                           os.environ.get("PYTHONPATH", "")]))
-    env.setdefault("GLA_LIBRARY", gla.library_path())
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "fallback ok" in done.stdout
+    run_with_ctypes_fallback(script)
 
 
 @pytest.mark.cuda
