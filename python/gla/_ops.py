@@ -158,15 +158,16 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
 def _save(ctx, q, k, v, g, initial_state, rest):
-    """rest: (cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state, backend, policy)."""
-    ctx.save_for_backward(q, k, v, g, initial_state)
-    ctx.rest = rest
+    """rest: (cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state, backend, policy);
+    its tensors are saved as tensors (torch.compile traces them), the rest kept on ctx."""
+    ctx.save_for_backward(q, k, v, g, initial_state, rest[0], rest[1])
+    ctx.rest = rest[2:]
 
 
 def _gradients(ctx, do, dht, chunk_bwd):
     """(dq, dk, dv, dg, dh0 or None) of the forward saved in ctx; chunk_bwd: the op or its eager entry."""
-    q, k, v, g, initial_state = ctx.saved_tensors
-    cu_seqlens, cu_seqlens_cpu, scale, state_v_first, _, backend, policy = ctx.rest
+    q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    scale, state_v_first, _, backend, policy = ctx.rest
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
     try:

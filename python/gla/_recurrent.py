@@ -99,9 +99,10 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
 def _save(ctx, q, k, v, gk, gv, initial_state, rest):
-    """rest: (cu_seqlens, scale, reverse, state_v_first, output_final_state, backend, policy)."""
-    ctx.save_for_backward(q, k, v, gk, gv, initial_state)
-    ctx.rest = rest
+    """rest: (cu_seqlens, scale, reverse, state_v_first, output_final_state, backend, policy);
+    cu_seqlens is saved as a tensor (torch.compile traces it), the rest kept on ctx."""
+    ctx.save_for_backward(q, k, v, gk, gv, initial_state, rest[0])
+    ctx.rest = rest[1:]
 
 
 def _setup_context(ctx, inputs, output):
@@ -109,8 +110,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _gradients(ctx, do, dht, recurrent_bwd):
-    q, k, v, gk, gv, initial_state = ctx.saved_tensors
-    cu_seqlens, scale, reverse, state_v_first, _, backend, policy = ctx.rest
+    q, k, v, gk, gv, initial_state, cu_seqlens = ctx.saved_tensors
+    scale, reverse, state_v_first, _, backend, policy = ctx.rest
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
     try:

@@ -82,12 +82,15 @@ def test_eager_route_equals_registered_autograd(varlen):
         assert torch.equal(a, b)
 
 
-def test_compile_fullgraph_forward_and_backward():
-    x = make(2, 6, 2, 8, 8, gk=True, gv=True, v_first=True, seed=34)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_compile_fullgraph_forward_and_backward(varlen):
+    x = (make(1, 9, 2, 8, 8, gk=True, gv=True, v_first=True, N=3, seed=34) if varlen else
+         make(2, 6, 2, 8, 8, gk=True, gv=True, v_first=True, seed=34))
+    cu = torch.tensor([0, 2, 2, 9], dtype=torch.int32) if varlen else None
 
     def f(q, k, v, gk, gv, h0):
         o, ht = gla.fused_recurrent_gla(q, k, v, gk, gv, initial_state=h0, output_final_state=True,
-                                        state_v_first=True)
+                                        state_v_first=True, cu_seqlens=cu)
         return o.square().sum() + ht.sum()
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
