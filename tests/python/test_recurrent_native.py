@@ -163,6 +163,19 @@ def test_errors_of_the_operator_itself(case, cls, pattern):
         gla.fused_recurrent_gla(*args[:5], initial_state=args[5], output_final_state=True)
 
 
+@needs_native
+@pytest.mark.parametrize("position,name", [(3, "gk"), (5, "initial_state")])
+def test_backward_op_rejects_too_many_dimensions_before_allocating(position, name):
+    """An input of rank above GLA_MAX_RANK is named before any output shaped like it is made."""
+    x = make(1, 2, 1, 4, 4, gk=False, h0=False)
+    args = [x["q"], x["k"], x["v"], None, None, None, None, None, None, 0.5, False, False, "", 0]
+    args[position] = torch.rand(*([1] * 9))
+    with pytest.raises(RuntimeError) as info:
+        torch.ops.gla.recurrent_bwd(*args)
+    error = _lib.python_error(info.value)
+    assert type(error) is ValueError and str(error).startswith(f"{name}: expected at most"), str(error)
+
+
 def test_pool_update_errors_leave_the_pool_alone():
     x = make(2, 1, 2, 8, 8, gk=True, h0=False, seed=38)
     pool = torch.randn(3, 2, 8, 8)

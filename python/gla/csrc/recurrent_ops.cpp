@@ -63,6 +63,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrent_bwd(
     std::optional<Tensor> dht, double scale, bool reverse, bool state_v_first, std::string backend, int64_t policy) {
   gla_tensor tq = describe("q", q), tk = describe("k", k), tv = describe("v", v);
   gla_tensor tgk, tgv, th0, tcu, thost, tdo, tdht, tdgk, tdgv, tdh0;
+  // Inputs described first: describe rejects a rank above GLA_MAX_RANK before any output shaped
+  // like an input is allocated.
+  const gla_tensor* pgk = describe("gk", gk, tgk);
+  const gla_tensor* pgv = describe("gv", gv, tgv);
+  const gla_tensor* ph0 = describe("initial_state", initial_state, th0);
   const std::optional<Tensor> host = host_offsets(cu_seqlens, std::nullopt);
   Tensor dq = empty_like(q), dk = empty_like(k), dv = empty_like(v);
   const std::optional<Tensor> dgk = like(gk), dgv = like(gv);
@@ -74,9 +79,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrent_bwd(
   const gla_recurrent_backward_args args{&tq,
                                          &tk,
                                          &tv,
-                                         describe("gk", gk, tgk),
-                                         describe("gv", gv, tgv),
-                                         describe("initial_state", initial_state, th0),
+                                         pgk,
+                                         pgv,
+                                         ph0,
                                          describe("cu_seqlens", cu_seqlens, tcu),
                                          describe("cu_seqlens_host", host, thost),
                                          describe("do", do_, tdo),
