@@ -1,5 +1,6 @@
-"""Host overhead per call of gla.chunk_gla (issue 20): a tiny problem (B=1 T=64 H=1 K=V=64), calls
-back to back, wall time and process CPU time per call.
+"""Host overhead per call of gla.chunk_gla and of the recurrent decode step (issue 20): a tiny
+problem (chunk: B=1 T=64 H=1 K=V=64; decode: B=1 T=1 H=1 K=V=64, fp32 state in and out,
+state_v_first), calls back to back, wall time and process CPU time per call.
 
     python3 bench/python_overhead.py [--device cpu|cuda|all] [--calls 2000] [--repeats 7]
 
@@ -7,11 +8,16 @@ Rows, per device:
   forward, no_grad          gla.chunk_gla under torch.no_grad()
   forward, requires_grad    q, k, v, g require grad (the autograd node is built, no backward)
   forward + backward        forward, then o.sum().backward()
-  C call (kernel)           CPU: gla_chunk_forward / gla_chunk_backward through ctypes on descriptors
-                            built once, i.e. libgla's validation + dispatch + the cpu kernel, with no
-                            PyTorch in the loop: the part of the rows above that is not overhead.
+  recurrent decode, ...     gla.fused_recurrent_gla(q, k, v, gk, initial_state=h, output_final_state=True,
+                            state_v_first=True) on one token: no_grad and requires_grad
+  pool update               gla.recurrent_state_update on a pool of 4 states, 1 sequence, 1 token
+  C call (kernel)           CPU: gla_chunk_forward / gla_chunk_backward / gla_recurrent_forward /
+                            gla_recurrent_state_update through ctypes on descriptors built once, i.e.
+                            libgla's validation + dispatch + the cpu kernel, with no PyTorch in the
+                            loop: the part of the rows above that is not overhead.
                             CUDA: GPU time per call of the same calls replayed from a CUDA graph.
-  fla                       fla's chunk_gla the same way, when fla is importable (CUDA only).
+  fla                       fla's chunk_gla and fused_recurrent_gla the same way, when fla is
+                            importable (CUDA only).
 Also the ctypes fallback (GLA_NATIVE_OPS=0, in a child process) for comparison, with --fallback.
 
 Each figure is the best over the repeats of (time of `calls` calls) / calls. On a loaded machine
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import json
 import os
 import subprocess
@@ -32,9 +39,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 import gla  # noqa: E402
-from gla import _lib, _ops, _tensors  # noqa: E402
+from gla import _lib, _ops, _recurrent_ctypes, _tensors  # noqa: E402
 
 B, T, H, D = 1, 64, 1, 64
+P = 4  # states in the pool of the decode rows (B=1 T=1 H=1 K=V=D)
 
 
 def inputs(device, dtype, requires_grad=False):
@@ -43,6 +51,27 @@ def inputs(device, dtype, requires_grad=False):
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, D, generator=gen)) / 16
     return [t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
             for t in (q, k, v, g)]
+
+
+def decode_inputs(device, dtype, requires_grad=False):
+    """One token of one sequence: q, k, v, gk [1, 1, 1, D], its fp32 state [1, 1, D, D] (V-first),
+    a pool [P, 1, D, D] with the sequence in slot 2, and the error flag."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.rand(1, 1, 1, D, generator=gen) for _ in range(3))
+    gk = torch.nn.functional.logsigmoid(torch.randn(1, 1, 1, D, generator=gen)) / 16
+    tokens = [t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v, gk)]
+    state = torch.randn(1, 1, D, D, generator=gen).to(device)
+    pool = torch.randn(P, 1, D, D, generator=gen).to(device)
+    slots = torch.tensor([2], dtype=torch.int32, device=device)
+    return tokens + [state, pool, slots, torch.zeros(1, dtype=torch.int32, device=device)]
+
+
+def decode_calls(x):
+    """The decode step and the pool update on decode_inputs' tensors (fla's layer's call)."""
+    q, k, v, gk, state, pool, slots, error = x
+    return (lambda: gla.fused_recurrent_gla(q, k, v, gk, initial_state=state, output_final_state=True,
+                                            state_v_first=True),
+            lambda: gla.recurrent_state_update(q, k, v, pool, slots, error, gk=gk, state_v_first=True))
 
 
 def measure(fn, calls, repeats, sync=None):
@@ -78,6 +107,12 @@ def gla_rows(device, calls, repeats):
         o, _ = gla.chunk_gla(lq, lk, lv, lg)
         o.sum().backward()
     rows["forward + backward"] = measure(step, max(1, calls // 4), repeats, sync)
+    decode, update = decode_calls(decode_inputs(device, dtype))
+    with torch.no_grad():
+        rows["recurrent decode, no_grad"] = measure(decode, calls, repeats, sync)
+    decode_grad, _ = decode_calls(decode_inputs(device, dtype, requires_grad=True))
+    rows["recurrent decode, requires_grad"] = measure(decode_grad, calls, repeats, sync)
+    rows["pool update"] = measure(update, calls, repeats, sync)
     return rows
 
 
@@ -97,19 +132,42 @@ def c_call_rows(calls, repeats):
     f, b, ro = ctypes.byref(fwd), ctypes.byref(bwd), ctypes.byref(opts)
     forward = measure(lambda: lib.gla_chunk_forward(f, ro), calls, repeats)
     backward = measure(lambda: lib.gla_chunk_backward(b, ro), max(1, calls // 4), repeats)
-    return {"C call (kernel): forward": forward, "C call (kernel): backward": backward}
+    rows = {"C call (kernel): forward": forward, "C call (kernel): backward": backward}
+    rows.update(recurrent_c_call_rows(calls, repeats))
+    return rows
+
+
+def recurrent_c_call_rows(calls, repeats):
+    """gla_recurrent_forward and gla_recurrent_state_update alone on the decode rows' problem."""
+    lib = _recurrent_ctypes.library()
+    q, k, v, gk, state, pool, slots, error = decode_inputs("cpu", torch.float32)
+    o, final = torch.empty_like(v), torch.empty_like(state)
+    fwd_ptrs = _recurrent_ctypes.pointers([("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", None),
+                                           ("initial_state", state), ("cu_seqlens", None), ("cu_seqlens_host", None),
+                                           ("o", o), ("final_state", final)])
+    update_ptrs = _recurrent_ctypes.pointers([("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", None),
+                                              ("state_pool", pool), ("state_slots", slots), ("slot_error", error),
+                                              ("o", o), ("token_states", None)])
+    fwd = _recurrent_ctypes.RecurrentForwardArgs(*fwd_ptrs, 0)
+    update = _recurrent_ctypes.StateUpdateArgs(*update_ptrs, 0)
+    opts = ctypes.byref(_lib.make_options(D ** -0.5, True, "", 0))
+    f, u = ctypes.byref(fwd), ctypes.byref(update)
+    return {"C call (kernel): recurrent decode": measure(lambda: lib.gla_recurrent_forward(f, opts), calls, repeats),
+            "C call (kernel): pool update": measure(lambda: lib.gla_recurrent_state_update(u, opts), calls, repeats)}
 
 
 def cuda_graph_rows(calls):
-    """GPU time per call: the same forward / forward + backward captured `calls` times in a CUDA
-    graph and replayed (no host work in the replay)."""
+    """GPU time per call: the same forward / forward + backward / decode step / pool update captured
+    `calls` times in a CUDA graph and replayed (no host work in the replay)."""
     q, k, v, g = inputs("cuda", torch.bfloat16)
     lq, lk, lv, lg = inputs("cuda", torch.bfloat16, requires_grad=True)
+    decode, update = decode_calls(decode_inputs("cuda", torch.bfloat16))
     rows = {}
     for name, body in (("forward", lambda: gla.chunk_gla(q, k, v, g)),
                        ("forward + backward", lambda: torch.autograd.grad(gla.chunk_gla(lq, lk, lv, lg)[0].sum(),
-                                                                          [lq, lk, lv, lg]))):
-        with torch.no_grad() if name == "forward" else torch.enable_grad():
+                                                                          [lq, lk, lv, lg])),
+                       ("recurrent decode", decode), ("pool update", update)):
+        with torch.enable_grad() if name == "forward + backward" else torch.no_grad():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -150,6 +208,16 @@ def fla_rows(calls, repeats):
         o, _ = fla_chunk_gla(lq, lk, lv, lg)
         o.sum().backward()
     rows["fla forward + backward"] = measure(step, max(1, calls // 4), repeats, sync)
+    try:
+        from fla.ops.gla import fused_recurrent_gla as fla_recurrent
+    except Exception as e:  # noqa: BLE001
+        return rows, f"fla's fused_recurrent_gla not importable ({type(e).__name__}: {e})"
+    q, k, v, gk, state, *_ = decode_inputs("cuda", torch.bfloat16)
+    kw = {"state_v_first": True} if "state_v_first" in inspect.signature(fla_recurrent).parameters else {}
+    with torch.no_grad():
+        rows["fla recurrent decode, no_grad"] = measure(
+            lambda: fla_recurrent(q, k, v, gk=gk, initial_state=state, output_final_state=True, **kw), calls, repeats,
+            sync)
     return rows, ""
 
 
@@ -198,9 +266,9 @@ def main():
           f"{args.calls} calls x {args.repeats} repeats")
     for device, rows in results.items():
         print(f"\n{device} ({'float32' if device == 'cpu' else 'bfloat16'}):")
-        print(f"  {'':44s} {'wall us/call':>13s} {'CPU us/call':>12s}")
+        print(f"  {'':50s} {'wall us/call':>13s} {'CPU us/call':>12s}")
         for name, (wall, cpu) in rows.items():
-            print(f"  {name:44s} {wall:13.1f} {cpu:12.1f}")
+            print(f"  {name:50s} {wall:13.1f} {cpu:12.1f}")
 
 
 if __name__ == "__main__":

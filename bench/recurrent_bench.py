@@ -1,16 +1,22 @@
 """The recurrent operator's decode step through the Python API, same run, same inputs.
 
-CUDA (--device cuda): libgla's gla.fused_recurrent_gla against fla's fused_recurrent_gla called as
-fla's GLA layer decodes (one token, bf16 q/k/v/gk, fp32 state in and out, state_v_first where fla's
-signature has it): each timed two ways, back-to-back Python calls (CUDA events, host overhead
-included) and replay of a CUDA graph of the call (device time); then gla.recurrent_state_update on a
-pool, timed by graph replay, against the state read + write floor (2 * B*H*K*V * 4 bytes over the
-copy bandwidth measured in the same run). fla is imported if installed (fla-core), else skipped.
+CUDA (--device cuda), issue 15's cases B64 H16 K=V=128, B64 H4 K256 V512, B256 H16 K=V=128: libgla's
+gla.fused_recurrent_gla against fla's fused_recurrent_gla called as fla's GLA layer decodes (one
+token, bf16 q/k/v/gk, fp32 state in and out, state_v_first where fla's signature has it), each timed
+two ways:
+  call    back-to-back Python calls between two CUDA events, then a synchronisation; the median
+          over ROUNDS rounds of REPS calls (host overhead included: what one decode step costs);
+  graph   replay of a CUDA graph holding GRAPH_CALLS calls (device time only), median over ROUNDS.
+Then gla.recurrent_state_update on a pool (state in place, device slots), timed both ways too,
+against the state read + write floor: 2 * B*H*K*V * 4 bytes over the device-to-device copy
+bandwidth measured in the same run on a buffer of that size. fla is imported if installed
+(fla-core), else its columns are skipped.
 
 CPU (--device cpu): the decode step (and a short prefill) on the cpu, reference and torch backends.
 
     GLA_LIBRARY=build/libgla.so python3 bench/recurrent_bench.py --device cpu
-    PYTHONPATH=/tmp/site GLA_LIBRARY=build-cuda/libgla.so python3 bench/recurrent_bench.py --device cuda
+    PYTHONPATH=/tmp/site GLA_LIBRARY=build-cuda/libgla.so python3 bench/recurrent_bench.py --device cuda \
+        --json bench/results/recurrent_h200.json
 """
 import argparse
 import inspect
@@ -26,8 +32,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import gla  # noqa: E402
+from gla import _ops  # noqa: E402
 
 CUDA_SHAPES = [(64, 16, 128, 128), (64, 4, 256, 512), (256, 16, 128, 128)]
+ROUNDS, REPS, GRAPH_CALLS = 21, 50, 20
 
 
 def decode_inputs(B, H, K, V, device, dtype=torch.bfloat16, T=1, v_first=True, seed=0):
@@ -39,23 +47,26 @@ def decode_inputs(B, H, K, V, device, dtype=torch.bfloat16, T=1, v_first=True, s
     return q, k, v, gk, state.to(device)
 
 
-def events_ms(fn, reps=200, warm=20):
+def events_ms(fn, calls=REPS, rounds=ROUNDS, warm=20):
+    """ms per call of fn: `calls` back-to-back calls between two CUDA events, synchronised; the
+    median over `rounds` rounds."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(5):
+    for _ in range(rounds):
         start.record()
-        for _ in range(reps):
+        for _ in range(calls):
             fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
-def graph_ms(fn, reps=200):
+def graph_ms(fn, calls=GRAPH_CALLS):
+    """Device ms per call of fn: a CUDA graph of `calls` calls, replayed (events_ms over replays)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -64,15 +75,16 @@ def graph_ms(fn, reps=200):
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
-    return events_ms(g.replay, reps=reps)
+        for _ in range(calls):
+            fn()
+    return events_ms(g.replay, calls=5) / calls
 
 
 def copy_bandwidth(nbytes):
     """Bytes read + written per second by a device copy of nbytes (the floor's bandwidth)."""
     a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     b = torch.empty_like(a)
-    ms = events_ms(lambda: b.copy_(a), reps=50)
+    ms = graph_ms(lambda: b.copy_(a))
     return 2 * nbytes / (ms * 1e-3), ms
 
 
@@ -106,11 +118,12 @@ def run_cuda(args):
             row["fla_graph_ms"] = graph_ms(call_fla)
             row["speedup_call"] = row["fla_call_ms"] / row["gla_call_ms"]
             row["speedup_graph"] = row["fla_graph_ms"] / row["gla_graph_ms"]
-        # The pool update (state in place, slots on the device), by graph replay.
+        # The pool update (state in place, slots on the device): calls and graph replay.
         pool = state.clone()
         slots = torch.randperm(B, generator=torch.Generator().manual_seed(1)).to(torch.int32).cuda()
         error = torch.zeros(1, dtype=torch.int32, device="cuda")
         update = lambda: gla.recurrent_state_update(q, k, v, pool, slots, error, gk=gk, state_v_first=True)  # noqa: E731
+        row["pool_call_ms"] = events_ms(update)
         row["pool_graph_ms"] = graph_ms(update)
         state_bytes = B * H * K * V * 4
         bandwidth, _ = copy_bandwidth(state_bytes)
@@ -164,6 +177,7 @@ def main():
     args = parser.parse_args()
     info = {"machine": platform.node(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
             "threads": os.environ.get("GLA_NUM_THREADS", str(os.cpu_count())), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    info["operators"] = _ops.native_path or "ctypes fallback"
     if args.device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     print(json.dumps(info))

@@ -23,15 +23,25 @@ import torch
 from . import _lib, _native, _validate
 
 # ---- thread-local backend selection (read by the public wrappers; dynamo guards on it) ----
-selection = threading.local()
+class _Selection(threading.local):
+    # Set per thread on its first access (threading.local runs __init__ in each thread), so a read
+    # never takes getattr(local, name, default)'s raise-and-catch of AttributeError (~8k of the
+    # ~148k instructions of a no_grad call, callgrind); instance attributes, which dynamo guards on
+    # (class-level defaults are not guarded: a forced backend would be baked into a compiled graph).
+    def __init__(self):
+        self.backend = ""
+        self.policy = _lib.POLICY_DEFAULT
+
+
+selection = _Selection()
 
 
 def current_backend() -> str:
-    return getattr(selection, "backend", "")
+    return selection.backend
 
 
 def current_policy() -> int:
-    return getattr(selection, "policy", _lib.POLICY_DEFAULT)
+    return selection.policy
 
 
 # The schemas; libgla_torch defines the same strings (gla/csrc/chunk_ops.cpp).
@@ -75,8 +85,9 @@ def _register_operators() -> None:
     native_path, reason = _native.load()
     _library = torch.library.Library("gla", "FRAGMENT")
     if native_path is None:
-        warnings.warn(f"gla: the native PyTorch operators (libgla_torch) did not load, so gla.chunk_gla runs "
-                      f"through the ctypes fallback (tens of microseconds more per call): {reason}",
+        warnings.warn(f"gla: the native PyTorch operators (libgla_torch) did not load, so gla.chunk_gla and "
+                      f"gla.fused_recurrent_gla run through the ctypes fallback (tens of microseconds more per "
+                      f"call): {reason}",
                       RuntimeWarning, stacklevel=4)
         for name, schema in SCHEMAS.items():
             _library.define(schema)
@@ -88,6 +99,22 @@ def _register_operators() -> None:
     torch.library.register_fake("gla::chunk_fwd", _chunk_fwd_fake, lib=_library)
     torch.library.register_fake("gla::chunk_bwd", _chunk_bwd_fake, lib=_library)
     torch.library.register_autograd("gla::chunk_fwd", _backward, setup_context=_setup_context, lib=_library)
+    global _chunk_fwd_op, _chunk_bwd_op
+    _chunk_fwd_op, _chunk_bwd_op = eager_entry("chunk_fwd"), eager_entry("chunk_bwd")
+    from . import _recurrent
+    _recurrent.register_operators(_library, native_path is not None)
+
+
+def eager_entry(name: str):
+    """The callable the eager routes use for torch.ops.gla.<name>.default: the builtin behind the
+    OpOverload (its `_op`), which OpOverload.__call__ forwards to through a Python frame (~2 us of a
+    decode step's host time on CPU). The same dispatcher call; torch.compile and torch.func get the
+    OpOverload itself. Falls back to the OpOverload where a PyTorch has no `_op`."""
+    overload = getattr(torch.ops.gla, name).default
+    return getattr(overload, "_op", overload)
+
+
+_chunk_fwd_op = _chunk_bwd_op = None  # set by _register_operators
 
 
 # ---- shapes shared by the fake kernels and the Python kernels ----
@@ -135,54 +162,52 @@ def _chunk_bwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, d
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
-def _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy,
-          check_inputs):
-    ctx.save_for_backward(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu)
-    ctx.scale, ctx.state_v_first, ctx.backend, ctx.policy = scale, state_v_first, backend, policy
-    ctx.check_inputs = check_inputs
+def _save(ctx, q, k, v, g, initial_state, rest):
+    """rest: (cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state, backend, policy,
+    check_inputs); its tensors are saved as tensors (torch.compile traces them), the rest kept on ctx."""
+    ctx.save_for_backward(q, k, v, g, initial_state, rest[0], rest[1])
+    ctx.rest = rest[2:]
 
 
-def _gradients(ctx, do, dht):
-    """(dq, dk, dv, dg, dh0 or None) of the forward saved in ctx."""
+def _gradients(ctx, do, dht, chunk_bwd):
+    """(dq, dk, dv, dg, dh0 or None) of the forward saved in ctx; chunk_bwd: the op or its eager entry."""
     q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    scale, state_v_first, _, backend, policy, check_inputs = ctx.rest
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
     try:
         with _below_autograd():
-            dq, dk, dv, dg, dh0 = torch.ops.gla.chunk_bwd.default(q, k, v, g, initial_state, cu_seqlens,
-                                                                  cu_seqlens_cpu, do, dht, ctx.scale,
-                                                                  ctx.state_v_first, ctx.backend, ctx.policy,
-                                                                  ctx.check_inputs)
+            dq, dk, dv, dg, dh0 = chunk_bwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale,
+                                            state_v_first, backend, policy, check_inputs)
     except RuntimeError as e:
         raise _lib.python_error(e) from None
     return dq, dk, dv, dg, (dh0 if initial_state is not None else None)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, _, backend, policy,
-     check_inputs) = inputs
-    _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy,
-          check_inputs)
+    _save(ctx, *inputs[:5], inputs[5:])
 
 
 def _backward(ctx, do, dht):
-    return _gradients(ctx, do, dht) + (None,) * 8
+    return _gradients(ctx, do, dht, torch.ops.gla.chunk_bwd.default) + (None,) * 8
 
 
 class _ChunkFwd(torch.autograd.Function):
+    """The eager route with a gradient: the five differentiable inputs as arguments and everything
+    else as one tuple, because autograd.Function.apply inspects each argument (an isinstance check
+    through torch.Tensor's metaclass per non-tensor): 6 arguments instead of 12 take ~6k of the
+    ~177k instructions of a requires_grad call (callgrind, B1 T1 H1 D64)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first,
-                output_final_state, backend, policy, check_inputs):
+    def forward(ctx, q, k, v, g, initial_state, rest):
         with _below_autograd():
-            out = torch.ops.gla.chunk_fwd.default(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-                                                  state_v_first, output_final_state, backend, policy, check_inputs)
-        _save(ctx, q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, backend, policy,
-              check_inputs)
+            out = _chunk_fwd_op(q, k, v, g, initial_state, *rest)
+        _save(ctx, q, k, v, g, initial_state, rest)
         return out
 
     @staticmethod
     def backward(ctx, do, dht):
-        return _backward(ctx, do, dht)
+        return _gradients(ctx, do, dht, _chunk_bwd_op) + (None,)
 
 
 # autograd.Function.apply's C part. The Python classmethod in front of it binds default arguments
@@ -202,6 +227,6 @@ def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, stat
         return torch.ops.gla.chunk_fwd.default(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or
                                     (initial_state is not None and initial_state.requires_grad)):
-        return _apply(*args)
+        return _apply(q, k, v, g, initial_state, args[5:])
     with _below_autograd():
-        return torch.ops.gla.chunk_fwd.default(*args)
+        return _chunk_fwd_op(*args)

@@ -1,11 +1,15 @@
 """The recurrent operator for PyTorch: `gla.fused_recurrent_gla` (fla's call) and
 `gla.recurrent_state_update` (the serving step on a state pool).
 
-Operators `gla::recurrent_fwd`, `gla::recurrent_bwd` and `gla::recurrent_state_update` registered
-with torch.library.custom_op over libgla's C ABI (gla.h: gla_recurrent_*), with fake implementations
-for torch.compile and autograd on the forward, as for the chunked operator (_ops.py). Outputs come
-from PyTorch's allocator and kernels run on PyTorch's current stream; the state update mutates the
-pool and the error flag in place and never synchronises the host (unless check_slots).
+The operators `gla::recurrent_fwd`, `gla::recurrent_bwd` and `gla::recurrent_state_update` come from
+libgla_torch (gla/csrc/recurrent_ops.cpp: schemas and CPU / CUDA kernels over libgla's C ABI, on
+PyTorch's stable ABI), like the chunked operator's (_ops.py); this module registers what the stable
+ABI cannot express: the fake kernels for torch.compile and the forward's autograd. When libgla_torch
+cannot load, the same schemas get the ctypes kernels of _recurrent_ctypes.py (the fallback, with the
+warning of _ops.py); those also serve the devices without a C++ kernel.
+
+Outputs come from PyTorch's allocator and kernels run on PyTorch's current stream; the state update
+mutates the pool and the error flag in place and never synchronises the host (unless check_slots).
 float64 inputs are computed by the `torch` backend's body in Python (_recurrent_torch.py).
 """
 from __future__ import annotations
@@ -16,97 +20,48 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _ctypes_kernels, _lib, _ops, _recurrent_torch, _tensors
+from . import _lib, _ops, _recurrent_torch
 
-_TP = _lib.TensorP
-
-
-class RecurrentForwardArgs(ctypes.Structure):
-    _fields_ = [(n, _TP) for n in ("q", "k", "v", "gk", "gv", "initial_state", "cu_seqlens", "cu_seqlens_host", "o",
-                                   "final_state")] + [("reverse", ctypes.c_int32)]
-
-
-class RecurrentBackwardArgs(ctypes.Structure):
-    _fields_ = [(n, _TP) for n in ("q", "k", "v", "gk", "gv", "initial_state", "cu_seqlens", "cu_seqlens_host", "do_",
-                                   "dht", "dq", "dk", "dv", "dgk", "dgv", "dh0")] + [("reverse", ctypes.c_int32)]
-
-
-class StateUpdateArgs(ctypes.Structure):
-    _fields_ = [(n, _TP) for n in ("q", "k", "v", "gk", "gv", "state_pool", "state_slots", "slot_error", "o",
-                                   "token_states")] + [("check_slots", ctypes.c_int32)]
+# The schemas; libgla_torch defines the same strings (gla/csrc/recurrent_ops.cpp).
+SCHEMAS = {
+    "recurrent_fwd": "recurrent_fwd(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, Tensor? initial_state, "
+                     "Tensor? cu_seqlens, float scale, bool reverse, bool state_v_first, bool output_final_state, "
+                     "str backend, int policy) -> (Tensor, Tensor)",
+    "recurrent_bwd": "recurrent_bwd(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, Tensor? initial_state, "
+                     "Tensor? cu_seqlens, Tensor? do, Tensor? dht, float scale, bool reverse, bool state_v_first, "
+                     "str backend, int policy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "recurrent_state_update": "recurrent_state_update(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, "
+                              "Tensor(a!) state_pool, Tensor state_slots, Tensor(b!) slot_error, float scale, "
+                              "bool state_v_first, bool output_token_states, bool check_slots, str backend, "
+                              "int policy) -> (Tensor, Tensor)",
+}
 
 
-_declared = False
+def register_operators(library: torch.library.Library, native: bool) -> None:
+    """Called by _ops once libgla_torch has loaded (native) or not: the Python kernels (every device
+    in the fallback, else the devices without a C++ kernel), the fake kernels and autograd."""
+    from . import _recurrent_ctypes
+
+    for name, schema in SCHEMAS.items():
+        kernel = getattr(_recurrent_ctypes, name)
+        if native:
+            for key in _ops._PYTHON_KERNEL_KEYS:
+                library.impl(name, kernel, key)
+        else:
+            library.define(schema)
+            library.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake("gla::recurrent_fwd", _recurrent_fwd_fake, lib=library)
+    torch.library.register_fake("gla::recurrent_bwd", _recurrent_bwd_fake, lib=library)
+    torch.library.register_fake("gla::recurrent_state_update", _state_update_fake, lib=library)
+    torch.library.register_autograd("gla::recurrent_fwd", _backward, setup_context=_setup_context, lib=library)
+    global _fwd_op, _bwd_op, _update_op
+    _fwd_op, _bwd_op, _update_op = (_ops.eager_entry(n) for n in SCHEMAS)
 
 
-def _library():
-    """libgla with the recurrent entry points' prototypes declared."""
-    global _declared
-    lib = _ops.ensure_loaded()
-    if not _declared:
-        c, opts = ctypes, ctypes.POINTER(_lib.Options)
-        for name, args in (("gla_recurrent_forward", [c.POINTER(RecurrentForwardArgs), opts]),
-                           ("gla_recurrent_backward", [c.POINTER(RecurrentBackwardArgs), opts]),
-                           ("gla_recurrent_state_update", [c.POINTER(StateUpdateArgs), opts]),
-                           ("gla_recurrent_explain", [c.POINTER(RecurrentForwardArgs), c.POINTER(RecurrentBackwardArgs),
-                                                      c.POINTER(StateUpdateArgs), opts, c.POINTER(c.c_char_p)])):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = c.c_int, args
-        _declared = True
-    return lib
+_fwd_op = _bwd_op = _update_op = None  # the eager entries (_ops.eager_entry), set by register_operators
 
 
-def _describe(named):
-    return [_tensors.describe(n, t) for n, t in named]
-
-
-def _check_float64(q: Tensor, backend: str) -> bool:
-    """float64 runs the `torch` backend's Python body; another forced backend is a TypeError."""
-    if q.dtype != torch.float64:
-        return False
-    if backend not in ("", "torch"):
-        raise TypeError(f"q: float64 is served only by the 'torch' backend (in Python), but backend '{backend}' "
-                        "is forced; libgla takes float32, float16 or bfloat16")
-    return True
-
-
-def _ptrs(descs):
-    return [ctypes.pointer(d) if d is not None else None for d in descs]
-
-
-def _call(entry: str, args_type, named, last: int, q: Tensor, scale: float, state_v_first: bool, backend: str,
-          policy: int) -> None:
-    """Runs the C entry point on the named tensors (in the args struct's order) plus its trailing int."""
-    lib = _library()
-    args = args_type(*_ptrs(_describe(named)), int(last))
-    opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_ctypes_kernels._stream(q.device))
-    with _tensors.handed_over(*(t for _, t in named)):
-        _lib.raise_for(getattr(lib, entry)(ctypes.byref(args), ctypes.byref(opts)))
-
-
-# ---- gla::recurrent_fwd ----
-@torch.library.custom_op("gla::recurrent_fwd", mutates_args=())
-def recurrent_fwd(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Optional[Tensor],
-                  initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float, reverse: bool,
-                  state_v_first: bool, output_final_state: bool, backend: str, policy: int) -> Tuple[Tensor, Tensor]:
-    """o [B, T, H, V] (v's dtype) and final_state (fp32; empty when not wanted)."""
-    N = _ops.num_sequences(q, cu_seqlens)
-    if _check_float64(q, backend):
-        offsets = cu_seqlens.tolist() if cu_seqlens is not None else None
-        o, ht = _recurrent_torch.recurrent_forward(q, k, v, gk, gv, scale, initial_state, offsets, reverse,
-                                                   state_v_first, output_final_state)
-        return o.to(v.dtype), (ht.clone() if ht is not None else _ctypes_kernels._empty_state(q))
-    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    final = (torch.empty(_ops.state_shape(q, v, N, state_v_first), dtype=torch.float32, device=q.device)
-             if output_final_state else None)
-    named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ctypes_kernels._host_offsets(cu_seqlens, None)), ("o", o),
-             ("final_state", final))
-    _call("gla_recurrent_forward", RecurrentForwardArgs, named, reverse, q, scale, state_v_first, backend, policy)
-    return o, (final if final is not None else _ctypes_kernels._empty_state(q))
-
-
-@recurrent_fwd.register_fake
+# ---- fake kernels ----
 def _recurrent_fwd_fake(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first,
                         output_final_state, backend, policy):
     # The outputs have the chunked operator's metadata (its fake reads no gate).
@@ -114,30 +69,6 @@ def _recurrent_fwd_fake(q, k, v, gk, gv, initial_state, cu_seqlens, scale, rever
                                 output_final_state, backend, policy)
 
 
-# ---- gla::recurrent_bwd ----
-@torch.library.custom_op("gla::recurrent_bwd", mutates_args=())
-def recurrent_bwd(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Optional[Tensor],
-                  initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], do: Optional[Tensor],
-                  dht: Optional[Tensor], scale: float, reverse: bool, state_v_first: bool, backend: str,
-                  policy: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv, dgk, dgv (empty without the gate) and dh0 (fp32; empty without an initial state)."""
-    if _check_float64(q, backend):
-        offsets = cu_seqlens.tolist() if cu_seqlens is not None else None
-        grads = _recurrent_torch.recurrent_backward(q, k, v, gk, gv, scale, initial_state, offsets, reverse,
-                                                    state_v_first, do, dht)
-        return tuple(g if g is not None else _ctypes_kernels._empty_state(q) for g in grads)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dgk = torch.empty_like(gk) if gk is not None else None
-    dgv = torch.empty_like(gv) if gv is not None else None
-    dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ctypes_kernels._host_offsets(cu_seqlens, None)), ("do", do),
-             ("dht", dht), ("dq", dq), ("dk", dk), ("dv", dv), ("dgk", dgk), ("dgv", dgv), ("dh0", dh0))
-    _call("gla_recurrent_backward", RecurrentBackwardArgs, named, reverse, q, scale, state_v_first, backend, policy)
-    return tuple(g if g is not None else _ctypes_kernels._empty_state(q) for g in (dq, dk, dv, dgk, dgv, dh0))
-
-
-@recurrent_bwd.register_fake
 def _recurrent_bwd_fake(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht, scale, reverse, state_v_first, backend,
                         policy):
     def empty():
@@ -145,52 +76,13 @@ def _recurrent_bwd_fake(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht, sca
 
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             gk.new_empty(gk.shape) if gk is not None else empty(), gv.new_empty(gv.shape) if gv is not None else empty(),
-            initial_state.new_empty(initial_state.shape) if initial_state is not None else empty())
+            initial_state.new_empty(initial_state.shape, dtype=torch.float32) if initial_state is not None else empty())
 
 
-def _setup_context(ctx, inputs, output):
-    (q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, output_final_state, backend,
-     policy) = inputs
-    ctx.save_for_backward(q, k, v, gk, gv, initial_state, cu_seqlens)
-    ctx.args = (scale, reverse, state_v_first, backend, policy)
-
-
-def _backward(ctx, do, dht):
-    q, k, v, gk, gv, initial_state, cu_seqlens = ctx.saved_tensors
-    if dht is not None and dht.numel() == 0:
-        dht = None
-    dq, dk, dv, dgk, dgv, dh0 = torch.ops.gla.recurrent_bwd(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht,
-                                                            *ctx.args)
-    return (dq, dk, dv, dgk if gk is not None else None, dgv if gv is not None else None,
-            dh0 if initial_state is not None else None, None, None, None, None, None, None, None)
-
-
-recurrent_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ---- gla::recurrent_state_update ----
-@torch.library.custom_op("gla::recurrent_state_update", mutates_args=("state_pool", "slot_error"))
-def recurrent_state_update_op(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor], gv: Optional[Tensor],
-                              state_pool: Tensor, state_slots: Tensor, slot_error: Tensor, scale: float,
-                              state_v_first: bool, output_token_states: bool, check_slots: bool, backend: str,
-                              policy: int) -> Tuple[Tensor, Tensor]:
-    """o [B, T, H, V] and the token states (empty unless output_token_states); the pool and the flag in place."""
-    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    token_states = None
-    if output_token_states:
-        B, T, H, K = q.shape
-        V = v.shape[3]
-        token_states = torch.empty((B, T, H, V, K) if state_v_first else (B, T, H, K, V), dtype=torch.float32,
-                                   device=q.device)
-    named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("state_pool", state_pool),
-             ("state_slots", state_slots), ("slot_error", slot_error), ("o", o), ("token_states", token_states))
-    _call("gla_recurrent_state_update", StateUpdateArgs, named, check_slots, q, scale, state_v_first, backend, policy)
-    return o, (token_states if token_states is not None else _ctypes_kernels._empty_state(q))
-
-
-@recurrent_state_update_op.register_fake
 def _state_update_fake(q, k, v, gk, gv, state_pool, state_slots, slot_error, scale, state_v_first,
                        output_token_states, check_slots, backend, policy):
+    torch._check(q.dim() == 4, lambda: f"q: expected shape [B, T, H, K], got {list(q.shape)}")
+    torch._check(v.dim() == 4, lambda: f"v: expected shape [B, T, H, V], got {list(v.shape)}")
     if not output_token_states:
         return v.new_empty(v.shape), q.new_empty(0, dtype=torch.float32)
     B, T, H, K = q.shape
@@ -199,9 +91,155 @@ def _state_update_fake(q, k, v, gk, gv, state_pool, state_slots, slot_error, sca
                                              dtype=torch.float32)
 
 
+# ---- autograd ----
+# Registered on gla::recurrent_fwd for torch.compile, torch.func, opcheck and direct calls of the op;
+# eager calls take _RecurrentFwd (the same formula over the op below the autograd key), which skips
+# torch.library's Python autograd wrapper, as gla.chunk_gla does (_ops.py).
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def _save(ctx, q, k, v, gk, gv, initial_state, rest):
+    """rest: (cu_seqlens, scale, reverse, state_v_first, output_final_state, backend, policy);
+    cu_seqlens is saved as a tensor (torch.compile traces it), the rest kept on ctx."""
+    ctx.save_for_backward(q, k, v, gk, gv, initial_state, rest[0])
+    ctx.rest = rest[1:]
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, *inputs[:6], inputs[6:])
+
+
+def _gradients(ctx, do, dht, recurrent_bwd):
+    q, k, v, gk, gv, initial_state, cu_seqlens = ctx.saved_tensors
+    scale, reverse, state_v_first, _, backend, policy = ctx.rest
+    if dht is not None and dht.numel() == 0:
+        dht = None  # the placeholder for a final state nobody asked for
+    try:
+        with _below_autograd():
+            dq, dk, dv, dgk, dgv, dh0 = recurrent_bwd(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht, scale,
+                                                      reverse, state_v_first, backend, policy)
+    except RuntimeError as e:
+        raise _lib.python_error(e) from None
+    return (dq, dk, dv, dgk if gk is not None else None, dgv if gv is not None else None,
+            dh0 if initial_state is not None else None)
+
+
+def _backward(ctx, do, dht):
+    return _gradients(ctx, do, dht, torch.ops.gla.recurrent_bwd.default) + (None,) * 7
+
+
+class _RecurrentFwd(torch.autograd.Function):
+    """The eager route with a gradient; the non-differentiable arguments travel as one tuple, as in
+    _ops._ChunkFwd (apply inspects every argument)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gk, gv, initial_state, rest):
+        with _below_autograd():
+            out = _fwd_op(q, k, v, gk, gv, initial_state, *rest)
+        _save(ctx, q, k, v, gk, gv, initial_state, rest)
+        return out
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        return _gradients(ctx, do, dht, _bwd_op) + (None,)
+
+
+# autograd.Function.apply's C part (see _ops._apply).
+_apply = super(torch.autograd.function._SingleLevelFunction, _RecurrentFwd).apply
+
+
+def _wants_grad(*tensors) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def recurrent_fwd(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, output_final_state,
+                  backend, policy):
+    """gla::recurrent_fwd with autograd by the cheapest route that keeps its semantics (as _ops.chunk_fwd)."""
+    args = (q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, output_final_state, backend,
+            policy)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return torch.ops.gla.recurrent_fwd.default(*args)
+    if _wants_grad(q, k, v, gk, gv, initial_state):
+        return _apply(q, k, v, gk, gv, initial_state, args[6:])
+    with _below_autograd():
+        return _fwd_op(*args)
+
+
+_increment_version = torch.autograd.graph.increment_version
+
+
+class _StateUpdate(torch.autograd.Function):
+    """The state update when an input requires grad: the same op, an autograd node whose backward
+    raises (the step is not differentiable), as the op registered through torch.library did."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        with _below_autograd():
+            return _update_op(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("gla.recurrent_state_update is not differentiable (a serving step); use "
+                           "gla.fused_recurrent_gla for gradients")
+
+
+def state_update(q, k, v, gk, gv, state_pool, state_slots, slot_error, scale, state_v_first, output_token_states,
+                 check_slots, backend, policy):
+    """gla::recurrent_state_update. In eager mode the op runs below the autograd key (inside
+    _StateUpdate when an input requires grad) and the mutated tensors' version counters are bumped
+    here, as PyTorch does for its own in-place ops."""
+    args = (q, k, v, gk, gv, state_pool, state_slots, slot_error, scale, state_v_first, output_token_states,
+            check_slots, backend, policy)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return torch.ops.gla.recurrent_state_update.default(*args)
+    if _wants_grad(q, k, v, gk, gv):
+        out = _StateUpdate.apply(*args)
+    else:
+        with _below_autograd():
+            out = _update_op(*args)
+    _increment_version((state_pool, slot_error))
+    return out
+
+
+class _Float64Recurrent(torch.autograd.Function):
+    """float64 is outside libgla's C ABI: the `torch` backend's body computes it in Python, its
+    hand-written backward included (what torch.autograd.gradcheck checks)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gk, gv, initial_state, offsets, scale, reverse, state_v_first, output_final_state):
+        o, ht = _recurrent_torch.recurrent_forward(q, k, v, gk, gv, scale, initial_state, offsets, reverse,
+                                                   state_v_first, output_final_state)
+        ctx.save_for_backward(q, k, v, gk, gv, initial_state)
+        ctx.args = (scale, offsets, reverse, state_v_first)
+        return o.to(v.dtype), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, gk, gv, initial_state = ctx.saved_tensors
+        scale, offsets, reverse, state_v_first = ctx.args
+        grads = _recurrent_torch.recurrent_backward(q, k, v, gk, gv, scale, initial_state, offsets, reverse,
+                                                    state_v_first, do, dht)
+        return grads + (None,) * 5
+
+
+def _float64(q, k, v, gk, gv, scale, initial_state, output_final_state, reverse, cu_seqlens, state_v_first, backend):
+    if backend not in ("", "torch"):
+        raise TypeError(f"q: float64 is served only by the 'torch' backend (in Python), but backend '{backend}' "
+                        "is forced; libgla takes float32, float16 or bfloat16")
+    offsets = cu_seqlens.tolist() if cu_seqlens is not None else None
+    o, ht = _Float64Recurrent.apply(q, k, v, gk, gv, initial_state, offsets, scale, bool(reverse), bool(state_v_first),
+                                    bool(output_final_state))
+    return o, (ht if output_final_state else None)
+
+
 # ---- the public calls ----
-def _check_tensors(**named):
-    for name, t in named.items():
+def _check_tensors(named):
+    for name, t in named:
         if t is not None and not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
 
@@ -240,10 +278,19 @@ def fused_recurrent_gla(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor] = 
 
     Differentiable in q, k, v, gk, gv and initial_state.
     """
-    _check_tensors(q=q, k=k, v=v, gk=gk, gv=gv, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    o, final = torch.ops.gla.recurrent_fwd(q, k, v, gk, gv, initial_state, cu_seqlens, _scale(q, scale),
-                                           bool(reverse), bool(state_v_first), bool(output_final_state),
-                                           _ops.current_backend(), _ops.current_policy())
+    _check_tensors((("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens)))
+    if not _ops._loaded:
+        _ops.ensure_loaded()  # raises ImportError when libgla is missing
+    backend = _ops.current_backend()
+    if q.dtype == torch.float64:
+        return _float64(q, k, v, gk, gv, _scale(q, scale), initial_state, output_final_state, reverse, cu_seqlens,
+                        state_v_first, backend)
+    try:
+        o, final = recurrent_fwd(q, k, v, gk, gv, initial_state, cu_seqlens, _scale(q, scale), bool(reverse),
+                                 bool(state_v_first), bool(output_final_state), backend, _ops.current_policy())
+    except RuntimeError as e:
+        raise _lib.python_error(e) from None
     return o, (final if output_final_state else None)
 
 
@@ -271,10 +318,16 @@ def recurrent_state_update(q: Tensor, k: Tensor, v: Tensor, state_pool: Tensor, 
     Returns:
         ``(o, token_states)``: o ``[B, T, H, V]`` in v's dtype; token_states or None. Not differentiable.
     """
-    _check_tensors(q=q, k=k, v=v, state_pool=state_pool, state_slots=state_slots, slot_error=slot_error, gk=gk, gv=gv)
-    o, states = torch.ops.gla.recurrent_state_update(q, k, v, gk, gv, state_pool, state_slots, slot_error,
-                                                     _scale(q, scale), bool(state_v_first), bool(output_token_states),
-                                                     bool(check_slots), _ops.current_backend(), _ops.current_policy())
+    _check_tensors((("q", q), ("k", k), ("v", v), ("state_pool", state_pool), ("state_slots", state_slots),
+                    ("slot_error", slot_error), ("gk", gk), ("gv", gv)))
+    if not _ops._loaded:
+        _ops.ensure_loaded()
+    try:
+        o, states = state_update(q, k, v, gk, gv, state_pool, state_slots, slot_error, _scale(q, scale),
+                                 bool(state_v_first), bool(output_token_states), bool(check_slots),
+                                 _ops.current_backend(), _ops.current_policy())
+    except RuntimeError as e:
+        raise _lib.python_error(e) from None
     return o, (states if output_token_states else None)
 
 
@@ -283,24 +336,24 @@ def explain_recurrent(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor] = No
                       reverse: bool = False, cu_seqlens: Optional[Tensor] = None, state_v_first: bool = False,
                       backward: bool = False) -> str:
     """The dispatcher's verdict table for a fused_recurrent_gla call (metadata only)."""
-    lib = _library()
+    from . import _recurrent_ctypes as rc
+
+    lib = rc.library()
     N = _ops.num_sequences(q, cu_seqlens)
     final = (torch.empty(_ops.state_shape(q, v, N, state_v_first), dtype=torch.float32, device=q.device)
              if output_final_state else None)
-    common = [("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
-              ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", None)]
-    descs = _describe(common)
-    for d in descs:
-        if d is not None:
-            d.data = None
+    common = rc.pointers([("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
+                          ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", None)])
+    for p in common:
+        if p is not None:
+            p.contents.data = None
     opts = _lib.make_options(None, state_v_first, _ops.current_backend(), _ops.current_policy())
     text = ctypes.c_char_p()
     if backward:
-        args = RecurrentBackwardArgs(*_ptrs(descs), *([None] * 8), int(reverse))
+        args = rc.RecurrentBackwardArgs(*common, *([None] * 8), int(reverse))
         status = lib.gla_recurrent_explain(None, ctypes.byref(args), None, ctypes.byref(opts), ctypes.byref(text))
     else:
-        fd = _describe([("final_state", final)])[0] if final is not None else None
-        args = RecurrentForwardArgs(*_ptrs(descs), None, ctypes.pointer(fd) if fd is not None else None, int(reverse))
+        args = rc.RecurrentForwardArgs(*common, None, *rc.pointers([("final_state", final)]), int(reverse))
         status = lib.gla_recurrent_explain(ctypes.byref(args), None, None, ctypes.byref(opts), ctypes.byref(text))
     _lib.raise_for(status)
     return text.value.decode()

@@ -174,6 +174,12 @@ def test_ctypes_fallback_warns_and_serves():
         assert rel(f(x["q"], x["k"], x["v"], x["g"]), gla.chunk_gla(x["q"], x["k"], x["v"], x["g"])[0].sum()) < 1e-6
         print("fallback ok")
     """)
+    run_with_ctypes_fallback(script)
+
+
+def run_with_ctypes_fallback(script: str) -> None:
+    """Runs script in a child Python with GLA_NATIVE_OPS=0 (the same libgla); it must print
+    "fallback ok"."""
     env = dict(os.environ, GLA_NATIVE_OPS="0",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.path.dirname(__file__),
                                            os.environ.get("PYTHONPATH", "")]))
