@@ -11,6 +11,11 @@ bf16, g = logsigmoid(randn) (fla's tests), no initial state, no final state. fla
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:python GLA_LIBRARY=build-cuda/libgla.so python3 bench/cuda/bench_training.py
 --json PATH writes the table as JSON too.
+
+fla's Triton autotune costs 80-170 s per new shape on a fresh machine. Triton (3.6) keeps the
+compiled kernels and, with TRITON_CACHE_AUTOTUNING=1, the autotune choices in TRITON_CACHE_DIR:
+run once with both set to a folder, pack that folder into the run's output, and carry it into later
+runs so fla starts warm.
 """
 import argparse
 import json
