@@ -119,6 +119,20 @@ bool rows_in_16_byte_pieces(std::initializer_list<const gla_tensor*> tensors) {
   return true;
 }
 
+// The sequence layout and sizes both chunk parameter structs carry.
+template <typename Params>
+void set_sequences_and_sizes(Params& x, const gla_problem& p) {
+  x.varlen = p.varlen;
+  x.cu_seqlens = p.varlen ? p.cu_seqlens.data : nullptr;
+  x.cu_seqlens_int64 = p.varlen && p.cu_seqlens.dtype == GLA_DTYPE_I64;
+  x.B = p.B;
+  x.T = p.T;
+  x.H = p.H;
+  x.K = p.K;
+  x.V = p.V;
+  x.N = p.N;
+}
+
 cuda::ForwardParams make_params(const gla_problem& p) {
   cuda::ForwardParams f{};
   f.q = p.q.data;
@@ -136,15 +150,7 @@ cuda::ForwardParams make_params(const gla_problem& p) {
   if (f.initial_state) copy_strides(p.initial_state, f.h0_stride, 4);
   if (f.final_state) copy_strides(p.final_state, f.ht_stride, 4);
   f.state_v_first = p.state_v_first;
-  f.varlen = p.varlen;
-  f.cu_seqlens = p.varlen ? p.cu_seqlens.data : nullptr;
-  f.cu_seqlens_int64 = p.varlen && p.cu_seqlens.dtype == GLA_DTYPE_I64;
-  f.B = p.B;
-  f.T = p.T;
-  f.H = p.H;
-  f.K = p.K;
-  f.V = p.V;
-  f.N = p.N;
+  set_sequences_and_sizes(f, p);
   f.scale = static_cast<float>(p.scale);
   f.dtype = element_type(p.dtype);
   f.gate_dtype = element_type(p.gate_dtype);
@@ -187,15 +193,7 @@ cuda::BackwardParams make_backward_params(const gla_problem& p) {
   if (b.dk) copy_strides(p.dk, b.dk_stride, 3);
   if (b.dv) copy_strides(p.dv, b.dv_stride, 3);
   if (b.dg) copy_strides(p.dg, b.dg_stride, 3);
-  b.varlen = p.varlen;
-  b.cu_seqlens = p.varlen ? p.cu_seqlens.data : nullptr;
-  b.cu_seqlens_int64 = p.varlen && p.cu_seqlens.dtype == GLA_DTYPE_I64;
-  b.B = p.B;
-  b.T = p.T;
-  b.H = p.H;
-  b.K = p.K;
-  b.V = p.V;
-  b.N = p.N;
+  set_sequences_and_sizes(b, p);
   int64_t chunks = 0;
   for (int64_t n = 0; n < p.N; ++n) chunks += (p.seq_offsets[n + 1] - p.seq_offsets[n] + 63) / 64;
   b.num_chunks = chunks;
@@ -211,33 +209,58 @@ cuda::BackwardParams make_backward_params(const gla_problem& p) {
 }
 
 // Plans are cached per problem signature: the segment planner simulates the block schedule
-// (up to ~1 ms of host time for many heads), which must not sit in front of every launch.
-cuda::ForwardPlan cached_plan(const cuda::ForwardParams& f, const gla_problem& p) {
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t, uint64_t>;
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the sequence offsets
-  for (int64_t n = 0; n <= p.N; ++n) {
-    hash ^= static_cast<uint64_t>(p.seq_offsets[n]);
-    hash *= 1099511628211ull;
-  }
-  const int sm_count = device_info(p.device_index).sm_count;
-  const Key key{p.device_index, f.N, f.H, f.K, f.V, f.T, f.dtype, f.gate_dtype, f.gate_per_head, hash};
+// (up to ~1 ms of host time for many heads), which must not sit in front of every launch (the
+// backward plans the reversed forward for dv the same way, and is asked for its workspace size and
+// then run). One cache per call site (Make is the caller's lambda type).
+template <typename Plan, typename Key, typename Make>
+Plan cached(const Key& key, Make&& make) {
   static std::mutex mutex;
-  static std::map<Key, cuda::ForwardPlan> cache;
+  static std::map<Key, Plan> cache;
   {
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  const cuda::ForwardPlan plan = cuda::plan_forward(f, p.seq_offsets, sm_count);
+  const Plan plan = make();
   std::lock_guard<std::mutex> lock(mutex);
   if (cache.size() > 1024) cache.clear();
   cache.emplace(key, plan);
   return plan;
 }
 
-cuda::BackwardPlan backward_plan(const gla_problem& p) {
-  return cuda::plan_backward(make_backward_params(p), p.seq_offsets, device_info(p.device_index).sm_count);
+uint64_t offsets_hash(const gla_problem& p) {
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the sequence offsets
+  for (int64_t n = 0; n <= p.N; ++n) {
+    hash ^= static_cast<uint64_t>(p.seq_offsets[n]);
+    hash *= 1099511628211ull;
+  }
+  return hash;
 }
+
+cuda::ForwardPlan cached_plan(const cuda::ForwardParams& f, const gla_problem& p) {
+  // vector_loads picks the kernel (the warp-specialised one needs cp.async rows).
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t, int32_t, uint64_t>;
+  const Key key{p.device_index, f.N, f.H, f.K, f.V, f.T, f.dtype, f.gate_dtype, f.gate_per_head, f.vector_loads,
+                offsets_hash(p)};
+  return cached<cuda::ForwardPlan>(
+      key, [&] { return cuda::plan_forward(f, p.seq_offsets, device_info(p.device_index).sm_count); });
+}
+
+cuda::BackwardPlan backward_plan(const cuda::BackwardParams& b, const gla_problem& p) {
+  // Which inputs and outputs are present, and whether do feeds the reversed forward (scale != 0).
+  const int32_t present_mask = (b.dq != nullptr) | (b.dk != nullptr) << 1 | (b.dv != nullptr) << 2 |
+                               (b.dg != nullptr) << 3 | (b.dh0 != nullptr) << 4 | (b.dht != nullptr) << 5 |
+                               (b.do_ != nullptr) << 6 | (b.scale != 0.0f) << 7;
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t, int32_t,
+                         int32_t, int32_t, int32_t, int32_t, uint64_t>;
+  const Key key{p.device_index, b.B,           b.N,           b.H,          b.K,         b.V,
+                b.T,            b.dtype,       b.gate_dtype,  b.gate_per_head, b.varlen, b.vector_loads,
+                b.vector_gate,  b.vector_dv,   present_mask,  offsets_hash(p)};
+  return cached<cuda::BackwardPlan>(
+      key, [&] { return cuda::plan_backward(b, p.seq_offsets, device_info(p.device_index).sm_count); });
+}
+
+cuda::BackwardPlan backward_plan(const gla_problem& p) { return backward_plan(make_backward_params(p), p); }
 
 class CudaBackend final : public Backend {
  public:
@@ -384,7 +407,7 @@ class CudaBackend final : public Backend {
   void run_backward(const gla_problem& p) {
     DeviceGuard guard(p.device_index);
     const cuda::BackwardParams b = make_backward_params(p);
-    const cuda::BackwardPlan plan = backward_plan(p);
+    const cuda::BackwardPlan plan = backward_plan(b, p);
     void* workspace = p.workspace;
     bool owned = false;
     if (workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
