@@ -278,6 +278,53 @@ TEST(CudaForward, ExplainNamesTheKernel) {
   }
 }
 
+// The plan cache tells aligned from unaligned rows: after an aligned call of a shape, the same shape
+// with q one element off a 16-byte boundary plans the single-role kernel (the warp-specialised one
+// moves rows with cp.async), and the call matches the reference.
+TEST(CudaForward, UnalignedRowsAfterAlignedShapeGetTheirOwnPlan) {
+  SKIP_WITHOUT_CUDA();
+  Case c = base_case(GLA_DTYPE_BF16, 1, 192, 2, 128);
+  c.initial_state = false;
+  c.final_state = false;
+  const Inputs in = make_inputs(c);
+  Outputs ref;
+  ASSERT_EQ(run_forward(in, ref, RunOptions{"reference"}), GLA_STATUS_OK) << gla_last_error();
+  DeviceTensor q(in.q), k(in.k), v(in.v), g(in.g);
+  // q again, one bf16 element into a larger buffer: rows no longer 16-byte aligned.
+  const size_t q_bytes = q.bytes;
+  void* shifted = nullptr;
+  ASSERT_EQ(cudaMalloc(&shifted, q_bytes + 16), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(static_cast<char*>(shifted) + 2, q.ptr, q_bytes, cudaMemcpyDeviceToDevice), cudaSuccess);
+  gla_tensor q_unaligned = q.t;
+  q_unaligned.data = static_cast<char*>(shifted) + 2;
+  for (const auto& [qt, want] : {std::pair<const gla_tensor*, const char*>{&q.t, "warp-specialised chunk kernel (prep"},
+                                 std::pair<const gla_tensor*, const char*>{&q_unaligned,
+                                                                           "chunk kernel with tensor-core diagonal blocks"}}) {
+    HostTensor o_host(c.dtype, {c.B, c.T, c.H, c.V});
+    DeviceTensor o(o_host, false);
+    gla_chunk_forward_args a{};
+    a.q = qt;
+    a.k = &k.t;
+    a.v = &v.t;
+    a.g = &g.t;
+    a.o = &o.t;
+    gla_options opt;
+    gla_options_init(&opt);
+    opt.backend = "cuda";
+    const char* text = nullptr;
+    ASSERT_EQ(gla_explain(&a, nullptr, &opt, &text), GLA_STATUS_OK) << gla_last_error();
+    EXPECT_NE(std::string(text).find(std::string("plan in 'cuda': ") + want), std::string::npos) << text;
+    ASSERT_EQ(gla_chunk_forward(&a, &opt), GLA_STATUS_OK) << gla_last_error();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    o.to_host(o_host);
+    Outputs got;
+    got.o = o_host;
+    std::string report;
+    EXPECT_LT(max_error(got, ref, false, report), 5e-3) << report;
+  }
+  cudaFree(shifted);
+}
+
 #else
 
 TEST(CudaForward, SkippedWithoutCuda) { GTEST_SKIP() << "libgla was built without CUDA: GPU tests skipped"; }
