@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -66,9 +67,9 @@ CudaRun run_cuda(const Inputs& in, bool host_offsets = true) {
 
 double tolerance(int32_t dtype) { return dtype == GLA_DTYPE_F32 ? 1e-3 : 5e-3; }
 
-void check_case(const Case& c, bool host_offsets = true) {
-  SCOPED_TRACE(c.label());
-  const Inputs in = make_inputs(c);
+void check_inputs(const Inputs& in, bool host_offsets = true) {
+  SCOPED_TRACE(in.c.label());
+  const Case& c = in.c;
   Outputs ref;
   ASSERT_EQ(run_forward(in, ref, RunOptions{"reference"}), GLA_STATUS_OK) << gla_last_error();
   CudaRun got = run_cuda(in, host_offsets);
@@ -81,6 +82,8 @@ void check_case(const Case& c, bool host_offsets = true) {
   }
   EXPECT_LT(err, tolerance(c.dtype)) << report;
 }
+
+void check_case(const Case& c, bool host_offsets = true) { check_inputs(make_inputs(c), host_offsets); }
 
 class CudaForwardGrid : public ::testing::TestWithParam<int32_t> {};
 
@@ -174,6 +177,30 @@ TEST(CudaForward, LongSequencesSplitIntoSegments) {
   Case d = base_case(GLA_DTYPE_BF16, 1, 20000, 1, 128);
   d.state_v_first = true;
   check_case(d);
+}
+
+// Hard resets (g = -inf) in sequences long enough for the segment split, whose first pass forms the
+// segment's local state: every kernel that runs that pass (the chunk kernel for unaligned rows and
+// for an fp32 per-key gate, the warp-specialised kernel for aligned rows and a 16-bit gate). A
+// reset hits every key of some tokens, single keys of others, and the chunks' first and last rows.
+TEST(CudaForward, HardResetsInSegmentSplitSequences) {
+  SKIP_WITHOUT_CUDA();
+  Case unaligned = base_case(GLA_DTYPE_BF16, 1, 8192 + 37, 1, 4);
+  Case fp32_gate = base_case(GLA_DTYPE_BF16, 1, 8192 + 37, 1, 64);
+  fp32_gate.gate_f32 = true;
+  Case aligned = base_case(GLA_DTYPE_BF16, 1, 8192 + 37, 1, 64);
+  for (Case c : {unaligned, fp32_gate, aligned}) {
+    c.normaliser = 100;  // weak decay: the state carries across segments
+    Inputs in = make_inputs(c);
+    const double inf = std::numeric_limits<double>::infinity();
+    for (int64_t t = 0; t < c.T; ++t) {
+      const bool all_keys = t % 1237 == 5 || t % 4096 == 0 || t % 4096 == 63;
+      for (int64_t i = 0; i < c.K; ++i) {
+        if (all_keys || (t % 301 == 17 && i % 3 == 0)) in.g.set(t * c.K + i, -inf);
+      }
+    }
+    check_inputs(in);
+  }
 }
 
 // 128 < K <= 256: the chunk kernel once per key half, the second half's o added by a third kernel

@@ -300,10 +300,13 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     // ---- 2. element-wise: cumsum, e, qloc, kloc (the full pass also writes the level copies;
     // pass 1 needs kloc and the totals only) ----
     if (full) mma_diag_elementwise<DK, X>(p, L, tid, lane, warp, qs, ks, gs, qw, kw, tot, smem);
+    // kloc_t = k_t prod_{u>t} e_u as a running product from the sub-chunk's end, as the full pass
+    // forms it: a difference of cumulative gates (Tot - c_t) is -inf - (-inf) = NaN after a hard
+    // reset (g = -inf), a product of factors e_u = 2^{g_u} is 0 there.
     for (int item = tid; item < (DK / 2) * 4 && !full; item += NT) {
       const int cp = item % (DK / 2), sub = item / (DK / 2);
       const int k0 = cp * 2;
-      float cs0[16], cs1[16];
+      float e0[16], e1[16];
       float a0 = 0.f, a1 = 0.f;
 #pragma unroll
       for (int r = 0; r < 16; ++r) {
@@ -325,17 +328,19 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
         g1 *= kLog2e;
         a0 += g0;
         a1 += g1;
-        cs0[r] = a0;
-        cs1[r] = a1;
+        e0[r] = fast_exp2(g0);
+        e1[r] = fast_exp2(g1);
       }
       tot[sub * DK + k0] = a0;
       tot[sub * DK + k0 + 1] = a1;
+      float f0 = 1.f, f1 = 1.f;
 #pragma unroll
-      for (int r = 0; r < 16; ++r) {
+      for (int r = 15; r >= 0; --r) {
         const int t = sub * 16 + r;
-        float2 kv = X::to_float2(*reinterpret_cast<uint32_t*>(ks + t * L.pq + k0));
-        *reinterpret_cast<uint32_t*>(kw + t * L.pq + k0) =
-            X::pack(kv.x * fast_exp2(a0 - cs0[r]), kv.y * fast_exp2(a1 - cs1[r]));
+        const float2 kv = X::to_float2(*reinterpret_cast<uint32_t*>(ks + t * L.pq + k0));
+        *reinterpret_cast<uint32_t*>(kw + t * L.pq + k0) = X::pack(kv.x * f0, kv.y * f1);
+        f0 *= e0[r];
+        f1 *= e1[r];
       }
     }
     __syncthreads();
