@@ -64,20 +64,7 @@ __device__ __forceinline__ void mma_diag_elementwise(const ForwardParams& p, con
   for (int r = 0; r < 16; ++r) {
     const int t = sub * 16 + r;
     float g0, g1;
-    if (per_head) {
-      g0 = g1 = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[t]
-                                : X::to_float(reinterpret_cast<const uint16_t*>(gs)[t]);
-    } else if (gate_bytes == 4) {
-      const float2 gv = *reinterpret_cast<const float2*>(gs + (t * L.pg + k0) * 4);
-      g0 = gv.x;
-      g1 = gv.y;
-    } else {
-      const float2 gv = X::to_float2(*reinterpret_cast<const uint32_t*>(gs + (t * L.pg + k0) * 2));
-      g0 = gv.x;
-      g1 = gv.y;
-    }
-    g0 *= kLog2e;
-    g1 *= kLog2e;
+    gate_pair_log2<X>(gs, t, k0, L.pg, per_head, gate_bytes, g0, g1);
     a0 += g0;
     a1 += g1;
     e0[r] = fast_exp2(g0);
@@ -312,20 +299,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
       for (int r = 0; r < 16; ++r) {
         const int t = sub * 16 + r;
         float g0, g1;
-        if (per_head) {
-          g0 = g1 = gate_bytes == 4 ? reinterpret_cast<float*>(gs)[t]
-                                    : X::to_float(reinterpret_cast<uint16_t*>(gs)[t]);
-        } else if (gate_bytes == 4) {
-          float2 gv = *reinterpret_cast<float2*>(gs + (t * L.pg + k0) * 4);
-          g0 = gv.x;
-          g1 = gv.y;
-        } else {
-          float2 gv = X::to_float2(*reinterpret_cast<uint32_t*>(gs + (t * L.pg + k0) * 2));
-          g0 = gv.x;
-          g1 = gv.y;
-        }
-        g0 *= kLog2e;
-        g1 *= kLog2e;
+        gate_pair_log2<X>(gs, t, k0, L.pg, per_head, gate_bytes, g0, g1);
         a0 += g0;
         a1 += g1;
         e0[r] = fast_exp2(g0);

@@ -352,16 +352,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       for (int r = 0; r < RS; ++r) {
         const int t = sub * 16 + row0 + r;
         float g0, g1;
-        if (per_head) {
-          g0 = g1 = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[t]
-                                    : X::to_float(reinterpret_cast<const uint16_t*>(gs)[t]);
-        } else {
-          const float2 gv = X::to_float2(*reinterpret_cast<const uint32_t*>(gs + (t * L.pr + k0) * 2));
-          g0 = gv.x;
-          g1 = gv.y;
-        }
-        g0 *= kLog2e;
-        g1 *= kLog2e;
+        gate_pair_log2<X, false>(gs, t, k0, L.pr, per_head, gate_bytes, g0, g1);
         a0 += g0;
         a1 += g1;
         e0[r] = fast_exp2(g0);

@@ -57,6 +57,28 @@ __device__ __forceinline__ void for_each_state_entry(int vrow, int lane, F&& f) 
 // Initial S^T fragments of this warp's value rows vrow..vrow+15 (C fragment of n8 tile j: S[j][e]):
 // the caller's initial state (full pass only) with the local states of the earlier segments folded
 // in (S = 2^{d_s} S + S_loc_s, written by pass 1).
+// The gate of row t at key columns k0, k0 + 1 of a chunk's gate tile in shared memory, in log2
+// units: one value per row (per-head gate), fp32 pairs or 16-bit pairs at row pitch `pitch`.
+// F32_KEYS false: the caller's kernel never holds an fp32 per-key gate (no branch for it).
+template <typename X, bool F32_KEYS = true>
+__device__ __forceinline__ void gate_pair_log2(const unsigned char* gs, int t, int k0, int pitch, bool per_head,
+                                               int gate_bytes, float& g0, float& g1) {
+  if (per_head) {
+    g0 = g1 = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[t]
+                              : X::to_float(reinterpret_cast<const uint16_t*>(gs)[t]);
+  } else if (F32_KEYS && gate_bytes == 4) {
+    const float2 gv = *reinterpret_cast<const float2*>(gs + (t * pitch + k0) * 4);
+    g0 = gv.x;
+    g1 = gv.y;
+  } else {
+    const float2 gv = X::to_float2(*reinterpret_cast<const uint32_t*>(gs + (t * pitch + k0) * 2));
+    g0 = gv.x;
+    g1 = gv.y;
+  }
+  g0 *= kLog2e;
+  g1 *= kLog2e;
+}
+
 template <int DK, int BV>
 __device__ __forceinline__ void load_initial_state(float (&S)[DK / 8][4], const ForwardParams& p, const SegmentArgs& sa,
                                                    bool full, int64_t n, int64_t m, int64_t h, int64_t v0, int vrow,
