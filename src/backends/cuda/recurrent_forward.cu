@@ -23,8 +23,15 @@ __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_ca
 __device__ __forceinline__ void store4(float* p, float4 x) { *reinterpret_cast<float4*>(p) = x; }
 __device__ __forceinline__ float& at(float4& x, int c) { return reinterpret_cast<float*>(&x)[c]; }
 
+// CTAs per SM the register budget is held to: a decode step is a read and a write of the state, so
+// its speed is the bytes in flight, i.e. resident CTAs. Unbounded, ptxas took 128 registers at
+// KT = 128 (4 CTAs per SM) and 178-246 at KT = 256 (2); these bounds give 80 at KT = 128 (6 CTAs,
+// 20 bytes spilled in the V-first layout), 64 at KT = 64 (8) and 152-162 at KT = 256 (3).
+template <int KT>
+constexpr int kMinBlocksPerSm = KT <= 64 ? 8 : (KT <= 128 ? 6 : 3);
+
 template <int KT, bool kVFirst>
-__global__ void __launch_bounds__(kThreads) recurrent_forward_kernel(const RecurrentParams p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<KT>) recurrent_forward_kernel(const RecurrentParams p) {
   constexpr int kRegs = KT / 16;  // float4 per thread
   constexpr int kKeyBlocks = KT / 32;
   __shared__ float sq[KT], sk[KT], sa[KT];
