@@ -59,19 +59,12 @@ __device__ __forceinline__ void mma_diag_elementwise(const ForwardParams& p, con
   const int cp = tid % (DK / 2), sub = tid / (DK / 2), k0 = cp * 2;
   uint32_t qv[16], kv[16];
   float e0[16], e1[16];
-  float a0 = 0.f, a1 = 0.f;
-#pragma unroll
-  for (int r = 0; r < 16; ++r) {
-    const int t = sub * 16 + r;
-    float g0, g1;
-    gate_pair_log2<X>(gs, t, k0, L.pg, per_head, gate_bytes, g0, g1);
-    a0 += g0;
-    a1 += g1;
-    e0[r] = fast_exp2(g0);
-    e1[r] = fast_exp2(g1);
-    qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pq + k0);
-    kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pq + k0);
-  }
+  float a0, a1;
+  const int pq = L.pq;
+  sub_chunk_gates<X>(gs, sub, k0, L.pg, per_head, gate_bytes, e0, e1, a0, a1, [&](int r, int t) {
+    qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * pq + k0);
+    kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * pq + k0);
+  });
   tot[sub * DK + k0] = a0;
   tot[sub * DK + k0 + 1] = a1;
   // q_t . k_t over this column pair, reduced over the sub-chunk's DK/2 threads below.
@@ -294,17 +287,8 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
       const int cp = item % (DK / 2), sub = item / (DK / 2);
       const int k0 = cp * 2;
       float e0[16], e1[16];
-      float a0 = 0.f, a1 = 0.f;
-#pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        const int t = sub * 16 + r;
-        float g0, g1;
-        gate_pair_log2<X>(gs, t, k0, L.pg, per_head, gate_bytes, g0, g1);
-        a0 += g0;
-        a1 += g1;
-        e0[r] = fast_exp2(g0);
-        e1[r] = fast_exp2(g1);
-      }
+      float a0, a1;
+      sub_chunk_gates<X>(gs, sub, k0, L.pg, per_head, gate_bytes, e0, e1, a0, a1, [](int, int) {});
       tot[sub * DK + k0] = a0;
       tot[sub * DK + k0 + 1] = a1;
       float f0 = 1.f, f1 = 1.f;
@@ -337,13 +321,8 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     for (int item = tid; item < (DK / 2) * 4; item += NT) {
       const int cp = item % (DK / 2), sub = item / (DK / 2);
       const int k0 = cp * 2;
-      float pre0 = 0.f, pre1 = 0.f, post0 = 0.f, post1 = 0.f;
-#pragma unroll
-      for (int l = 0; l < 4; ++l) {
-        const float t0 = tot[l * DK + k0], t1 = tot[l * DK + k0 + 1];
-        if (l < sub) { pre0 += t0; pre1 += t1; }
-        if (l > sub) { post0 += t0; post1 += t1; }
-      }
+      float pre0, pre1, post0, post1;
+      sub_chunk_pre_post<DK>(tot, sub, k0, pre0, pre1, post0, post1);
       if (sub == 0) {
         const float d0 = post0 + tot[k0], d1 = post1 + tot[k0 + 1];
         dfac[k0] = fast_exp2(d0);

@@ -587,13 +587,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
       // ---- qg = qloc 2^{Pre}, kg = kloc 2^{Post}; the chunk's decay 2^{b_last} ----
       {
-        float pre0 = 0.f, pre1 = 0.f, post0 = 0.f, post1 = 0.f;
-#pragma unroll
-        for (int l = 0; l < 4; ++l) {
-          const float t0 = tot[l * DK + k0], t1 = tot[l * DK + k0 + 1];
-          if (l < sub) { pre0 += t0; pre1 += t1; }
-          if (l > sub) { post0 += t0; post1 += t1; }
-        }
+        float pre0, pre1, post0, post1;
+        sub_chunk_pre_post<DK>(tot, sub, k0, pre0, pre1, post0, post1);
         if (sub == 0 && hf == 0) {
           const float d0 = post0 + tot[k0], d1 = post1 + tot[k0 + 1];
           dfac[k0] = fast_exp2(d0);

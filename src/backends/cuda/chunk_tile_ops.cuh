@@ -79,6 +79,40 @@ __device__ __forceinline__ void gate_pair_log2(const unsigned char* gs, int t, i
   g1 *= kLog2e;
 }
 
+// One column pair's 16 gate rows of sub-chunk `sub`: the factors e_r = 2^{g_r} and the sub-chunk's
+// totals a = sum_r g_r (log2 units); per_row(r, t) runs in the same loop (the callers' raw q, k reads).
+template <typename X, bool F32_KEYS = true, typename PerRow>
+__device__ __forceinline__ void sub_chunk_gates(const unsigned char* gs, int sub, int k0, int pitch, bool per_head,
+                                                int gate_bytes, float (&e0)[16], float (&e1)[16], float& a0,
+                                                float& a1, PerRow per_row) {
+  a0 = a1 = 0.f;
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const int t = sub * 16 + r;
+    float g0, g1;
+    gate_pair_log2<X, F32_KEYS>(gs, t, k0, pitch, per_head, gate_bytes, g0, g1);
+    a0 += g0;
+    a1 += g1;
+    e0[r] = fast_exp2(g0);
+    e1[r] = fast_exp2(g1);
+    per_row(r, t);
+  }
+}
+
+// The sums of the other sub-chunks' totals around sub-chunk `sub` at key columns k0, k0 + 1:
+// pre over the earlier ones (the query factor 2^{Pre}), post over the later ones (the key's 2^{Post}).
+template <int DK>
+__device__ __forceinline__ void sub_chunk_pre_post(const float* tot, int sub, int k0, float& pre0, float& pre1,
+                                                   float& post0, float& post1) {
+  pre0 = pre1 = post0 = post1 = 0.f;
+#pragma unroll
+  for (int l = 0; l < 4; ++l) {
+    const float t0 = tot[l * DK + k0], t1 = tot[l * DK + k0 + 1];
+    if (l < sub) { pre0 += t0; pre1 += t1; }
+    if (l > sub) { post0 += t0; post1 += t1; }
+  }
+}
+
 template <int DK, int BV>
 __device__ __forceinline__ void load_initial_state(float (&S)[DK / 8][4], const ForwardParams& p, const SegmentArgs& sa,
                                                    bool full, int64_t n, int64_t m, int64_t h, int64_t v0, int vrow,
