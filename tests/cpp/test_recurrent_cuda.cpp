@@ -312,6 +312,59 @@ TEST(RecurrentCuda, BackwardIsDeterministicAndExplained) {
   EXPECT_NE(explained.find("5 value tiles"), std::string::npos) << explained;
 }
 
+// The declaration (readable without a device): a recurrent backward record on CUDA with the
+// forward's key limit, every recurrent feature but the serving step's pool and token states.
+TEST(RecurrentCuda, DeclaresTheBackward) {
+  const gla_capability* records = nullptr;
+  int32_t count = 0;
+  ASSERT_EQ(gla_backend_capabilities("cuda", &records, &count), GLA_STATUS_OK) << gla_last_error();
+  const gla_capability* bwd = nullptr;
+  for (int32_t i = 0; i < count; ++i)
+    if (records[i].unit_mask & (uint64_t{1} << GLA_UNIT_RECURRENT_BWD)) bwd = &records[i];
+  ASSERT_NE(bwd, nullptr) << "no record declares recurrent_bwd";
+  EXPECT_EQ(bwd->device_mask, uint64_t{1} << GLA_DEVICE_CUDA);
+  EXPECT_EQ(bwd->k_max, 256);
+  EXPECT_EQ(bwd->deterministic, 1);
+  for (int32_t dtype : {GLA_DTYPE_F32, GLA_DTYPE_BF16, GLA_DTYPE_F16}) EXPECT_TRUE(bwd->dtype_mask & (1u << dtype));
+  const uint32_t wanted = GLA_FEATURE_VARLEN | GLA_FEATURE_INITIAL_STATE | GLA_FEATURE_FINAL_STATE |
+                          GLA_FEATURE_STATE_V_FIRST | GLA_FEATURE_PER_KEY_GATE | GLA_FEATURE_VALUE_GATE |
+                          GLA_FEATURE_REVERSE;
+  EXPECT_EQ(bwd->features & wanted, wanted);
+  EXPECT_EQ(bwd->features & (GLA_FEATURE_STATE_POOL | GLA_FEATURE_TOKEN_STATES | GLA_FEATURE_PER_HEAD_GATE), 0u);
+}
+
+// Outside its limits the cuda backward declines with the reason, outputs untouched: K past the
+// register tile, and a do broadcast along V (stride 0, as `o.sum()` gives) that the row loads
+// cannot read.
+TEST(RecurrentCuda, BackwardDeclinesOutsideItsLimitsWithReasons) {
+  SKIP_WITHOUT_CUDA_BACKEND();
+  struct Probe {
+    int64_t K;
+    bool broadcast_do;
+    const char* reason;
+  };
+  for (const Probe x : {Probe{272, false, "K=272 outside the declared 1..256"},
+                        Probe{32, true, "do needs a contiguous last dimension (stride 1), got stride 0"}}) {
+    RecurrentCase c;
+    c.base.B = 1; c.base.T = 8; c.base.H = 1; c.base.K = x.K; c.base.V = 16;
+    const RecurrentInputs r = make_recurrent_inputs(c);
+    HostTensor dq(GLA_DTYPE_F32, {1, 8, 1, x.K});
+    poison(dq);
+    auto q = maybe(r.in.q), k = maybe(r.in.k), v = maybe(r.in.v), g = maybe(r.in.g), dout = maybe(r.in.dout),
+         ddq = maybe(dq);
+    gla_tensor do_desc = dout->desc;
+    if (x.broadcast_do) do_desc.strides[3] = 0;
+    gla_recurrent_backward_args a{};
+    a.q = d(q); a.k = d(k); a.v = d(v); a.gk = d(g); a.do_ = &do_desc; a.dq = d(ddq);
+    const gla_options opt = recurrent_options(r, "cuda");
+    EXPECT_EQ(gla_recurrent_backward(&a, &opt), GLA_STATUS_NOT_SUPPORTED) << x.reason;
+    EXPECT_NE(std::string(gla_last_error()).find(x.reason), std::string::npos) << gla_last_error();
+    HostTensor after = dq;
+    ddq->download(after);
+    EXPECT_EQ(after.bytes, dq.bytes) << "dq written by a declined call";
+  }
+}
+
 // The state pool on the device: B sequences, pool of P states between guard states.
 struct DevicePool {
   static constexpr int64_t kGuard = 2;

@@ -181,18 +181,18 @@ __global__ void __launch_bounds__(KT) recurrent_backward_kernel(const RecurrentB
     const int count = static_cast<int>(detail::gla_min64(kBlock, L - b * kBlock));
     for (int m = count - 1; m >= 0; --m) {
       const int64_t tok = token(b * kBlock + m);
+      // The step's q and do are loaded first: their latency hides behind the recomputation.
+      const float qi = tid < p.K ? p.scale * detail::load_any(p.q, row(p.q_stride, tok) + tid, p.dtype) : 0.f;
+      const float doi = tid < kTile && p.do_ && v0 + tid < p.V
+                            ? detail::load_any(p.do_, row(p.do_stride, tok) + v0 + tid, p.dtype)
+                            : 0.f;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) S[r] = C[r];
       for (int u = 0; u < m; ++u) advance(S, u);  // S = the state before step m
 
       __syncthreads();  // the previous step's q, do, row and column sums are no longer read
-      float qi = 0.f;
-      if (tid < p.K) qi = p.scale * detail::load_any(p.q, row(p.q_stride, tok) + tid, p.dtype);
       sq[tid] = qi;
-      if (tid < kTile) {
-        const int64_t j = v0 + tid;
-        sdo[tid] = p.do_ && j < p.V ? detail::load_any(p.do_, row(p.do_stride, tok) + j, p.dtype) : 0.f;
-      }
+      if (tid < kTile) sdo[tid] = doi;
       __syncthreads();
 
       const float4 vm = reinterpret_cast<const float4*>(sv[m])[cg], bm = reinterpret_cast<const float4*>(sb[m])[cg];
