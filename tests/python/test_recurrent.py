@@ -1,8 +1,9 @@
 """gla.fused_recurrent_gla and gla.recurrent_state_update: the native backends (cpu, reference) against
 the `torch` backend's PyTorch-ops token loop in float64 (forward, and gradients by torch.autograd),
 every gate combination, reverse, varlen with empty and length-1 sequences, both state layouts, the
-chunked operator on the same inputs, the state pool with bad slots, errors, gradcheck, and the CUDA
-decode path (skipped without a GPU)."""
+chunked operator on the same inputs, the state pool with bad slots, errors, gradcheck, and on CUDA
+(skipped without a GPU) the decode path and the cuda backend's gradients against the cpu backend and
+the float64 oracle."""
 import math
 
 import pytest
