@@ -14,8 +14,10 @@ struct RecurrentCase {
   bool gk = true;          // key gate (in Inputs::g)
   bool gv = false;         // value gate
   bool reverse = false;
+  double scale = 0.0;      // 0: the default K^-0.5
   std::string label() const {
-    return base.label() + (gk ? " gk" : " no-gk") + (gv ? " gv" : "") + (reverse ? " reverse" : "");
+    return base.label() + (gk ? " gk" : " no-gk") + (gv ? " gv" : "") + (reverse ? " reverse" : "") +
+           (scale != 0.0 ? " scale=" + std::to_string(scale) : "");
   }
 };
 
@@ -42,6 +44,10 @@ inline gla_options recurrent_options(const RecurrentInputs& r, const std::string
   gla_options_init(&o);
   o.state_v_first = r.c.base.state_v_first;
   o.backend = backend.empty() ? nullptr : backend.c_str();
+  if (r.c.scale != 0.0) {
+    o.has_scale = 1;
+    o.scale = r.c.scale;
+  }
   return o;
 }
 

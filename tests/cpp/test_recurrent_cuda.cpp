@@ -276,7 +276,7 @@ TEST(RecurrentCuda, BackwardStrongDecayHardResetsAndRandn) {
   }
 }
 
-TEST(RecurrentCuda, BackwardGateGradientsInTheGateDtype) {
+TEST(RecurrentCuda, BackwardGateGradientsInTheGateDtypeAndAGivenScale) {
   SKIP_WITHOUT_CUDA_BACKEND();
   RecurrentCase c;
   c.base.B = 2; c.base.T = 33; c.base.H = 2; c.base.K = 64; c.base.V = 96;
@@ -284,6 +284,9 @@ TEST(RecurrentCuda, BackwardGateGradientsInTheGateDtype) {
   c.gv = true;
   c.base.seed = 61;
   check_backward(c, GLA_DTYPE_BF16);
+  c.scale = 0.37;
+  c.base.dtype = GLA_DTYPE_F32;
+  check_backward(c);
 }
 
 // Same inputs, same outputs bit for bit (SPEC.md §3.7: the value tiles' sums are added in a fixed
