@@ -14,8 +14,10 @@ struct RecurrentCase {
   bool gk = true;          // key gate (in Inputs::g)
   bool gv = false;         // value gate
   bool reverse = false;
+  double scale = 0.0;      // 0: the default K^-0.5
   std::string label() const {
-    return base.label() + (gk ? " gk" : " no-gk") + (gv ? " gv" : "") + (reverse ? " reverse" : "");
+    return base.label() + (gk ? " gk" : " no-gk") + (gv ? " gv" : "") + (reverse ? " reverse" : "") +
+           (scale != 0.0 ? " scale=" + std::to_string(scale) : "");
   }
 };
 
@@ -42,6 +44,10 @@ inline gla_options recurrent_options(const RecurrentInputs& r, const std::string
   gla_options_init(&o);
   o.state_v_first = r.c.base.state_v_first;
   o.backend = backend.empty() ? nullptr : backend.c_str();
+  if (r.c.scale != 0.0) {
+    o.has_scale = 1;
+    o.scale = r.c.scale;
+  }
   return o;
 }
 
@@ -75,19 +81,27 @@ inline gla_status run_recurrent_forward(const RecurrentInputs& r, Outputs& out, 
   return gla_recurrent_forward(&a, &o);
 }
 
-// Backward on fresh NaN-poisoned gradients; dg holds dgk (with gk), dgv goes to `dgv`.
-inline gla_status run_recurrent_backward(const RecurrentInputs& r, Outputs& out, HostTensor& dgv,
-                                         const std::string& backend) {
+// Fresh NaN-poisoned gradients of the case: dq, dk, dv; dg (= dgk) with gk, `dgv` with gv, dh0 with
+// an initial state. dgk, dgv in `gate_dtype` (-1: float32).
+inline void make_recurrent_gradients(const RecurrentInputs& r, Outputs& out, HostTensor& dgv, int32_t gate_dtype = -1) {
   const Case& c = r.c.base;
+  const int32_t gd = gate_dtype < 0 ? GLA_DTYPE_F32 : gate_dtype;
   out.dq = HostTensor(c.dtype, {c.B, c.T, c.H, c.K});
   out.dk = HostTensor(c.dtype, {c.B, c.T, c.H, c.K});
   out.dv = HostTensor(c.dtype, {c.B, c.T, c.H, c.V});
   for (HostTensor* t : {&out.dq, &out.dk, &out.dv}) poison(*t);
-  out.dg = r.c.gk ? HostTensor(GLA_DTYPE_F32, {c.B, c.T, c.H, c.K}) : HostTensor();
-  dgv = r.c.gv ? HostTensor(GLA_DTYPE_F32, {c.B, c.T, c.H, c.V}) : HostTensor();
+  out.dg = r.c.gk ? HostTensor(gd, {c.B, c.T, c.H, c.K}) : HostTensor();
+  dgv = r.c.gv ? HostTensor(gd, {c.B, c.T, c.H, c.V}) : HostTensor();
   out.dh0 = r.in.h0.empty() ? HostTensor() : HostTensor(GLA_DTYPE_F32, state_sizes(r.in));
   for (HostTensor* t : {&out.dg, &dgv, &out.dh0})
     if (!t->empty()) poison(*t);
+}
+
+// Backward on fresh NaN-poisoned gradients; dg holds dgk (with gk), dgv goes to `dgv`.
+inline gla_status run_recurrent_backward(const RecurrentInputs& r, Outputs& out, HostTensor& dgv,
+                                         const std::string& backend) {
+  const Case& c = r.c.base;
+  make_recurrent_gradients(r, out, dgv);
   gla_recurrent_backward_args a{};
   set_recurrent_inputs(r, a);
   a.do_ = &r.in.dout.t;

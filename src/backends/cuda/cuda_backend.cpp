@@ -1,6 +1,7 @@
 // The `cuda` backend: NVIDIA GPUs, compute capability 8.0 and up. Implements the whole chunk
 // forward (GLA_UNIT_CHUNK_FWD, chunk_forward.hpp) and backward (GLA_UNIT_CHUNK_BWD, 16-bit inputs,
-// chunk_backward.hpp); what it declines falls through to other backends.
+// chunk_backward.hpp), and the recurrent operator's forward and backward (GLA_UNIT_RECURRENT_FWD /
+// BWD, recurrent.hpp); what it declines falls through to other backends.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -262,13 +263,41 @@ cuda::BackwardPlan backward_plan(const cuda::BackwardParams& b, const gla_proble
 
 cuda::BackwardPlan backward_plan(const gla_problem& p) { return backward_plan(make_backward_params(p), p); }
 
+// The dispatcher's workspace when it is large enough and aligned, else memory of our own for the
+// scope (returned stream-ordered, so also after a failed launch).
+class Workspace {
+ public:
+  Workspace(Backend& backend, const gla_problem& p, size_t bytes, uintptr_t alignment)
+      : backend_(backend), p_(p), data_(p.workspace) {
+    if (bytes > 0 && (data_ == nullptr || p.workspace_bytes < bytes || reinterpret_cast<uintptr_t>(data_) % alignment != 0)) {
+      data_ = backend_.allocate(p_, bytes);
+      owned_ = true;
+    }
+  }
+  ~Workspace() {
+    if (owned_) backend_.deallocate(p_, data_);
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  void* data() const { return data_; }
+
+ private:
+  Backend& backend_;
+  const gla_problem& p_;
+  void* data_;
+  bool owned_ = false;
+};
+
+bool recurrent(const gla_problem& p) { return p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD; }
+
 class CudaBackend final : public Backend {
  public:
   std::string name() const override { return "cuda"; }
   int priority() const override { return 10; }
   // Compute capability 8.0 and up. The forward: the float dtypes, K up to 512 (two passes of
   // 128-wide key halves past 128), any V; the backward: 16-bit q, k, v (tensor-core operands), K and
-  // V up to 512; the recurrent forward: K up to kRecurrentMaxK (the state tile in registers). Rows
+  // V up to 512; the recurrent forward and backward: K up to kRecurrentMaxK (the state tile in
+  // registers), the backward without the state pool (a serving step has no gradient). Rows
   // at stride 1 (vector loads); no saved chunk states; no atomics anywhere, so deterministic.
   const std::vector<gla_capability>& capabilities() const override {
     static const std::vector<gla_capability> records = [] {
@@ -288,7 +317,10 @@ class CudaBackend final : public Backend {
       recurrent.unit_mask = unit_bit(GLA_UNIT_RECURRENT_FWD);
       recurrent.k_max = cuda::kRecurrentMaxK;
       recurrent.features = GLA_FEATURE_ALL & ~(GLA_FEATURE_CHUNK_STATES | GLA_FEATURE_PER_HEAD_GATE);
-      return std::vector<gla_capability>{forward, backward, recurrent};
+      gla_capability recurrent_backward = recurrent;
+      recurrent_backward.unit_mask = unit_bit(GLA_UNIT_RECURRENT_BWD);
+      recurrent_backward.features &= ~(GLA_FEATURE_STATE_POOL | GLA_FEATURE_TOKEN_STATES);
+      return std::vector<gla_capability>{forward, backward, recurrent, recurrent_backward};
     }();
     return records;
   }
@@ -302,7 +334,7 @@ class CudaBackend final : public Backend {
   std::vector<std::string> check_more(const gla_problem& p) const override {
     std::vector<std::string> why;
     if (!device_info(p.device_index).ok) why.push_back("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
-    if (p.unit == GLA_UNIT_RECURRENT_FWD) {
+    if (recurrent(p)) {
       for (auto& w : cuda::recurrent_checks(p)) why.push_back(std::move(w));
       return why;
     }
@@ -332,17 +364,14 @@ class CudaBackend final : public Backend {
   }
 
   size_t workspace_size(const gla_problem& p) const override {
-    if (p.unit == GLA_UNIT_RECURRENT_FWD) return 0;
+    if (recurrent(p)) return cuda::recurrent_workspace(p);
     if (p.backward) return backward_plan(p).workspace_bytes;
     const cuda::ForwardParams f = make_params(p);
     return cached_plan(f, p).workspace_bytes;
   }
 
   std::string plan_note(const gla_problem& p) const override {
-    if (p.unit == GLA_UNIT_RECURRENT_FWD) {
-      return "recurrent decode kernel: one CTA per (sequence, head, 32-value tile), " +
-             std::to_string(p.N * p.H * ((p.V + 31) / 32)) + " CTAs, fp32 state tile in registers";
-    }
+    if (recurrent(p)) return cuda::recurrent_plan_note(p);
     if (p.backward) {
       const cuda::BackwardPlan plan = backward_plan(p);
       std::string s =
@@ -378,6 +407,12 @@ class CudaBackend final : public Backend {
     if (p.unit == GLA_UNIT_RECURRENT_FWD) {
       DeviceGuard guard(p.device_index);
       cuda::run_recurrent(p);
+      return;
+    }
+    if (p.unit == GLA_UNIT_RECURRENT_BWD) {
+      DeviceGuard guard(p.device_index);
+      const Workspace workspace(*this, p, cuda::recurrent_workspace(p), 16);
+      cuda::run_recurrent_backward(p, workspace.data());
       return;
     }
     if (p.backward) {
