@@ -169,12 +169,20 @@ def _save(ctx, q, k, v, g, initial_state, rest):
     ctx.rest = rest[2:]
 
 
+def unit_stride_rows(x):
+    """x, or a dense copy where its last dimension is not unit-stride. Autograd hands out such
+    gradients (`o.sum()` gives an expanded one: stride 0); the native backends read unit-stride rows
+    and would decline the call to a slower backend."""
+    return x.contiguous() if x is not None and x.dim() > 0 and x.size(-1) > 1 and x.stride(-1) != 1 else x
+
+
 def _gradients(ctx, do, dht, chunk_bwd):
     """(dq, dk, dv, dg, dh0 or None) of the forward saved in ctx; chunk_bwd: the op or its eager entry."""
     q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
     scale, state_v_first, _, backend, policy, check_inputs = ctx.rest
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
+    do, dht = unit_stride_rows(do), unit_stride_rows(dht)
     try:
         with _below_autograd():
             dq, dk, dv, dg, dh0 = chunk_bwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale,

@@ -114,6 +114,7 @@ def _gradients(ctx, do, dht, recurrent_bwd):
     scale, reverse, state_v_first, _, backend, policy = ctx.rest
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
+    do, dht = _ops.unit_stride_rows(do), _ops.unit_stride_rows(dht)
     try:
         with _below_autograd():
             dq, dk, dv, dgk, dgv, dh0 = recurrent_bwd(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht, scale,

@@ -191,3 +191,24 @@ def test_cuda_compile_fullgraph():
         grads.append([t.grad for t in leaves])
     for a, b in zip(*grads):
         assert rel(a, b) < 1e-5
+
+
+def test_cuda_sum_loss_backward_runs_on_the_cuda_backend():
+    """`(o.sum() + ht.sum()).backward()`: autograd hands the backward expanded gradients (last-dim
+    stride 0), which the cuda backend does not read. Forced to `cuda`, the backward must still run
+    there (on dense copies) and match the reference's gradients of the same loss."""
+    x = make_inputs(B=2, T=200, H=2, K=64, dtype=torch.bfloat16, seed=7)
+    grads = {}
+    for backend, device in (("cuda", "cuda"), ("reference", "cpu")):
+        leaves = {n: x[n].detach().to(device).clone().requires_grad_(True) for n in ("q", "k", "v", "g", "initial_state")}
+        if device == "cpu":
+            leaves = {n: t.detach().float().requires_grad_(True) for n, t in leaves.items()}
+        with gla.backend(backend):
+            o, ht = gla.chunk_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
+                                  initial_state=leaves["initial_state"], output_final_state=True)
+            (o.sum() + ht.sum()).backward()
+        grads[backend] = {n: t.grad for n, t in leaves.items()}
+    for n in ("q", "k", "v", "g", "initial_state"):
+        got, want = grads["cuda"][n], grads["reference"][n]
+        assert got.is_cuda and torch.isfinite(got).all(), n
+        assert rel(got.double().cpu(), want) < 5e-3, f"{n}: {rel(got.double().cpu(), want):.3e}"

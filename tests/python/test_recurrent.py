@@ -309,6 +309,23 @@ def test_cuda_recurrent_backward_is_served_by_cuda():
 
 @pytest.mark.cuda
 @cuda
+def test_cuda_recurrent_sum_loss_backward_runs_on_the_cuda_backend():
+    """`(o.sum() + ht.sum()).backward()` hands the backward expanded gradients (stride 0); forced to
+    `cuda` it still runs there, on dense copies, and matches the cpu backend."""
+    inputs = make(2, 9, 2, 64, 48, gk=True, gv=True, seed=14)
+    grads = {}
+    for backend, device in (("cuda", "cuda"), ("cpu", "cpu")):
+        leaves = {n: (t.to(device).clone().requires_grad_(True) if t is not None else None) for n, t in inputs.items()}
+        with gla.backend(backend):
+            o, ht = gla.fused_recurrent_gla(**leaves, output_final_state=True)
+            (o.sum() + ht.sum()).backward()
+        grads[backend] = {n: t.grad for n, t in leaves.items() if t is not None}
+    for name, g in grads["cuda"].items():
+        assert g.is_cuda and rel(g.cpu(), grads["cpu"][name]) < 1e-5, name
+
+
+@pytest.mark.cuda
+@cuda
 def test_cuda_state_update_graph_replay():
     B, H, K, V, P = 16, 4, 128, 128, 32
     pool = torch.randn(P, H, V, K, device="cuda")
