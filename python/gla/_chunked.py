@@ -678,6 +678,10 @@ os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def _single_threaded(barrier: threading.Barrier) -> None:
+    # get_num_threads first: it runs the thread's one-time OpenMP setup, which otherwise runs at the
+    # thread's first parallel op and re-applies the process-wide count (2 OpenMP threads per worker
+    # on 2 cores: 1.6x the forward's process CPU time at T4096).
+    torch.get_num_threads()
     torch.set_num_threads(1)
     barrier.wait()
 
