@@ -58,11 +58,12 @@ from ._scratch import Scratch
 RCP_LN2 = 1.0 / math.log(2.0)  # gcum (a stage buffer) is in log2 units
 CHUNK = 64  # fla's chunk size, and the stage pipeline's
 # One block's working set (its chunks' inputs in chunk layout, temporaries, gradients), by
-# _row_bytes's estimate: on accelerators up to 1 GiB (few, large kernels; B8 T4096 H16 D128
-# backward: 5 blocks); on the CPU 8 MiB a worker, so that a block's passes stay in cache (2, 8 and
-# 32 MiB measured alike; unblocked passes over whole tensors ran 3-4x slower here).
+# _row_bytes's count of its scratch buffers: on accelerators up to 1 GiB (few, large kernels); on
+# the CPU 32 MiB a worker (B1 T4096 H16 K=V=128, 2 workers of 8 heads: 8 chunks a forward block,
+# 3 a backward block; 1-chunk backward blocks, the op overhead of ~150 ops a block then
+# dominating, took 7% more CPU time, 1-chunk forward blocks 17% more).
 BLOCK_BYTES = 1 << 30
-CPU_BLOCK_BYTES = 8 << 20
+CPU_BLOCK_BYTES = 32 << 20
 # A CPU thread keeps its scratch buffers (_scratch.py) between calls up to this size.
 SCRATCH_KEPT_BYTES = 64 << 20
 
@@ -195,25 +196,28 @@ class Layout:
         return self._maps[key]
 
     def load(self, x: torch.Tensor, p0: int, p1: int, dtype: torch.dtype, ws: Optional[Scratch] = None,
-             name: str = "load") -> torch.Tensor:
+             name: str = "load", floor: Optional[float] = None) -> torch.Tensor:
         """Packed rows p0..p1-1 of x [B, T, H, D] as [p1 - p0, H, C, D] in `dtype` (ws's buffer
-        `name`, else new), zeros past each sequence's end."""
+        `name`, else new), zeros past each sequence's end; clamped below at `floor` if given (in the
+        same pass where the layout allows)."""
         B, T, H, D = x.shape
         C, n = self.C, p1 - p0
         out = ws.take(name, (n, H, C, D)) if ws is not None else torch.empty(n, H, C, D, dtype=dtype, device=x.device)
         if self.uniform:
             c0, c1 = p0 // B, p1 // B
-            self._uniform_rows(out, c0, c1, T, x, load=True)
+            self._uniform_rows(out, c0, c1, T, x, load=True, floor=floor)
             return out
         rows, tokens = self._block_maps(p0, p1)
         flat = torch.zeros(n * C, H, D, dtype=dtype, device=x.device)
         flat.index_copy_(0, rows, x[0].index_select(0, tokens).to(dtype))
-        return out.copy_(flat.view(n, C, H, D).transpose(1, 2))
+        out.copy_(flat.view(n, C, H, D).transpose(1, 2))
+        return out.clamp_(min=floor) if floor is not None else out
 
-    def _uniform_rows(self, packed: torch.Tensor, c0: int, c1: int, T: int, x: torch.Tensor, load: bool) -> None:
+    def _uniform_rows(self, packed: torch.Tensor, c0: int, c1: int, T: int, x: torch.Tensor, load: bool,
+                      floor: Optional[float] = None) -> None:
         """Copies between the packed chunks c0..c1-1 (uniform layout: [(c1 - c0) * B, H, C, D]) and
         their tokens of x [B, T, H, D], one strided copy for the whole chunks and one for a partial
-        last chunk (whose padding rows are zeroed on load)."""
+        last chunk (whose padding rows are zeroed on load); a load clamps below at `floor` if given."""
         B, _, H, D = x.shape
         C = self.C
         chunks = packed.view(c1 - c0, B, H, C, D).permute(1, 0, 3, 2, 4)  # [B, chunks, C, H, D], a view
@@ -223,7 +227,14 @@ class Layout:
         if rest:
             pairs.append((chunks[:, full, :rest], x[:, c0 * C + full * C:c0 * C + valid]))
         for p, t in pairs:
-            p.copy_(t) if load else t.copy_(p)
+            if not load:
+                t.copy_(p)
+            elif floor is not None and t.dtype == p.dtype:
+                torch.clamp(t, min=floor, out=p)
+            else:
+                p.copy_(t)
+                if floor is not None:  # a 16-bit gate: clamp's out= takes only its input's dtype
+                    p.clamp_(min=floor)
         if load and rest:
             chunks[:, full, rest:].zero_()
 
@@ -591,7 +602,7 @@ def _forward(layout: Layout, q, k, v, g, scale, h0, cd, o_out, final_out):
     for c0, c1 in layout.step_blocks(_row_bytes(layout, H, K, V, cd, False), _block_budget(q.device)):
         p0, p1 = layout.rows_of(c0, c1)
         qb, kb, vb = (layout.load(x, p0, p1, cd, ws, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-        gl = clamped_gate(layout.load(g, p0, p1, cd, ws, "g"))
+        gl = layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd))
         dec = decays(gl, ws)
         A = attention(qb, kb, gl, scale, ws=ws)
         ob = _bmm(A, vb, ws.take("o", vb.shape))
@@ -621,7 +632,7 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     for c0, c1 in blocks:
         p0, p1 = layout.rows_of(c0, c1)
         kb, vb = layout.load(k, p0, p1, cd, ws, "k"), layout.load(v, p0, p1, cd, ws, "v")
-        dec = decays(clamped_gate(layout.load(g, p0, p1, cd, ws, "g")), ws)
+        dec = decays(layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd)), ws)
         kb.mul_(dec.to_end)
         for c in range(c0, c1):
             a, n = firsts[c] - p0, counts[c]
@@ -637,7 +648,7 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     for c0, c1 in reversed(blocks):
         p0, p1 = layout.rows_of(c0, c1)
         qb, kb, vb = (layout.load(x, p0, p1, cd, ws, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-        gl = clamped_gate(layout.load(g, p0, p1, cd, ws, "g"))
+        gl = layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd))
         dob = layout.load(do, p0, p1, cd, ws, "do") if do is not None else ws.zeros("do", vb.shape)
         dec = decays(gl, ws)
         qw = torch.mul(qb, dec.from_start, out=ws.take("qw", qb.shape))
@@ -697,11 +708,15 @@ def unpack_gate_gradient(layout: Layout, dg, out) -> None:
 
 
 def _row_bytes(layout: Layout, H: int, K: int, V: int, dtype: torch.dtype, backward: bool) -> int:
-    """Bytes of one packed chunk row's (H heads') temporaries inside a block, roughly."""
+    """Bytes of one packed chunk row's (H heads') scratch buffers inside a block: the forward's
+    q, k, g, decays (2), level factors (6), products and diagonal (1.5) in [C, K], v and o in
+    [C, V], A in [C, C]; the backward's q, k, g, decays (2), qw, dq, dk, dg, factors and operands
+    (12), intra temporaries (3), attention diagonal, dq/dk inter and their sums (3) in [C, K], v,
+    do, dv in [C, V], A and dA in [C, C], dh and the state products in [K, V]."""
     C, esize = layout.C, torch.finfo(dtype).bits // 8
     if backward:
-        return esize * H * (C * (11 * K + 4 * V + 3 * C) + K * V)
-    return esize * H * C * (6 * K + 2 * V + 2 * C)
+        return esize * H * (C * (27 * K + 3 * V + 2 * C) + 2 * K * V)
+    return esize * H * C * (25 * K // 2 + 2 * V + C)
 
 
 def _block_budget(device) -> int:
