@@ -1,9 +1,11 @@
 """Times the portable `torch` backend against a reference point, through gla.chunk_gla.
 
 CPU (default): against the native `cpu` backend, fp32 B1 T4096 H16 K=V=128, forward and
-forward+backward, at a fixed thread count (2 by default):
+forward+backward, both at --threads threads (2 by default: torch.set_num_threads for the `torch`
+backend, GLA_NUM_THREADS for the `cpu` backend, whose default is every CPU of the machine, not of
+the process's affinity mask). On a machine with more cores, pin the process to as many:
 
-    GLA_LIBRARY=build/libgla.so PYTHONPATH=python python3 bench/torch_backend_bench.py --repeat 5
+    GLA_LIBRARY=build/libgla.so PYTHONPATH=python taskset -c 0,1 python3 bench/torch_backend_bench.py --repeat 5
 
 CUDA (--cuda): against fla's chunk_gla (skipped with a note when fla is not importable), bf16
 forward+backward at B8 T4096 H16 D128 and B8 T2048 H4 K256 V512; CUDA-event medians and the extra
@@ -12,9 +14,10 @@ peak memory of one forward+backward (peak allocated during it minus what was all
     GLA_LIBRARY=build/libgla.so PYTHONPATH=python python3 bench/torch_backend_bench.py --cuda
 
 Each case prints one line per contender: the median and the spread (min-max) over --repeat timed
-runs after one warm-up, and the ratio to the reference point; on the CPU also the load average (the
-machine may be shared: both contenders run in the same process, alternating cases, so the ratio is
-the number to read).
+runs after one warm-up, and the ratio to the reference point. On the CPU both contenders run in the
+same process, alternating run by run (a shared machine's load then weighs on both alike), and each
+prints its wall time and its process CPU time (all threads; on a loaded machine the better measure
+of the work done), with the load average before and after each case.
 """
 from __future__ import annotations
 
@@ -65,16 +68,19 @@ def fla_call(backward):
     return run
 
 
-def time_cpu(fn, args, repeat):
-    """Wall-clock ms of each run, and the process CPU ms of each (all threads: what the run
-    computed, less sensitive than wall time to other processes on a shared machine)."""
-    fn(*args)  # warm-up
-    times, cpu = [], []
-    for _ in range(repeat):
-        t0, c0 = time.perf_counter(), time.process_time()
+def time_cpu(fns, args, repeat):
+    """For each of fns, the wall-clock ms and the process CPU ms (all threads: what the run computed,
+    less sensitive than wall time to other processes on a shared machine) of each run; the fns
+    alternate run by run, after one warm-up each."""
+    for fn in fns:
         fn(*args)
-        times.append((time.perf_counter() - t0) * 1e3)
-        cpu.append((time.process_time() - c0) * 1e3)
+    times, cpu = [[] for _ in fns], [[] for _ in fns]
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn(*args)
+            times[i].append((time.perf_counter() - t0) * 1e3)
+            cpu[i].append((time.process_time() - c0) * 1e3)
     return times, cpu
 
 
@@ -117,13 +123,19 @@ def load() -> str:
 
 def cpu_main(args):
     torch.set_num_threads(args.threads)
+    os.environ["GLA_NUM_THREADS"] = str(args.threads)  # read by the cpu backend at each call
     x = make(1, args.T, 16, 128, 128, torch.float32, "cpu")
-    print(f"CPU, fp32, B1 T{args.T} H16 K=V=128, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"repeat {args.repeat}, {os.cpu_count()} CPUs, {load()}")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(f"CPU, fp32, B1 T{args.T} H16 K=V=128, {torch.get_num_threads()} threads (GLA_NUM_THREADS "
+          f"{os.environ['GLA_NUM_THREADS']}), torch {torch.__version__}, repeat {args.repeat}, "
+          f"{os.cpu_count()} CPUs ({usable} in this process's affinity), {load()}")
+    if usable > args.threads:
+        print(f"  note: {usable} CPUs usable for {args.threads} threads; pin with taskset -c to compare at "
+              f"{args.threads} cores")
     for backward in (False, True):
         print("forward+backward" if backward else "forward")
-        ref_wall, ref_cpu = time_cpu(gla_call("cpu", backward), x, args.repeat)
-        wall, cpu = time_cpu(gla_call("torch", backward), x, args.repeat)
+        (ref_wall, wall), (ref_cpu, cpu) = time_cpu([gla_call("cpu", backward), gla_call("torch", backward)], x,
+                                                     args.repeat)
         ref = report("cpu backend", ref_wall)
         report("torch backend", wall, ref)
         ref = report("cpu backend, CPU time", ref_cpu)
@@ -162,7 +174,7 @@ def cuda_main(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuda", action="store_true", help="the GPU comparison against fla")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of each contender (CPU case)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--T", type=int, default=4096, help="CPU case length")
     args = ap.parse_args()

@@ -52,14 +52,20 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import _scratch
+from ._scratch import Scratch
+
 RCP_LN2 = 1.0 / math.log(2.0)  # gcum (a stage buffer) is in log2 units
 CHUNK = 64  # fla's chunk size, and the stage pipeline's
 # One block's working set (its chunks' inputs in chunk layout, temporaries, gradients), by
-# _row_bytes's estimate: on accelerators up to 1 GiB (few, large kernels; B8 T4096 H16 D128
-# backward: 5 blocks); on the CPU 8 MiB a worker, so that a block's passes stay in cache (2, 8 and
-# 32 MiB measured alike; unblocked passes over whole tensors ran 3-4x slower here).
+# _row_bytes's count of its scratch buffers: on accelerators up to 1 GiB (few, large kernels); on
+# the CPU 32 MiB a worker (B1 T4096 H16 K=V=128, 2 workers of 8 heads: 8 chunks a forward block,
+# 3 a backward block; 1-chunk backward blocks, the op overhead of ~150 ops a block then
+# dominating, took 7% more CPU time, 1-chunk forward blocks 17% more).
 BLOCK_BYTES = 1 << 30
-CPU_BLOCK_BYTES = 8 << 20
+CPU_BLOCK_BYTES = 32 << 20
+# A CPU thread keeps its scratch buffers (_scratch.py) between calls up to this size.
+SCRATCH_KEPT_BYTES = 64 << 20
 
 
 def gate_floor(dtype: torch.dtype) -> float:
@@ -189,33 +195,55 @@ class Layout:
             self._maps[key] = (self._on_device(rows), self._on_device(part[rows]))
         return self._maps[key]
 
-    def load(self, x: torch.Tensor, p0: int, p1: int, dtype: torch.dtype) -> torch.Tensor:
-        """Packed rows p0..p1-1 of x [B, T, H, D] as a new [p1 - p0, H, C, D] in `dtype`, zeros
-        past each sequence's end."""
+    def load(self, x: torch.Tensor, p0: int, p1: int, dtype: torch.dtype, ws: Optional[Scratch] = None,
+             name: str = "load", floor: Optional[float] = None) -> torch.Tensor:
+        """Packed rows p0..p1-1 of x [B, T, H, D] as [p1 - p0, H, C, D] in `dtype` (ws's buffer
+        `name`, else new), zeros past each sequence's end; clamped below at `floor` if given (in the
+        same pass where the layout allows)."""
         B, T, H, D = x.shape
         C, n = self.C, p1 - p0
+        out = ws.take(name, (n, H, C, D)) if ws is not None else torch.empty(n, H, C, D, dtype=dtype, device=x.device)
         if self.uniform:
             c0, c1 = p0 // B, p1 // B
-            part = x[:, c0 * C:min(T, c1 * C)]
-            if part.shape[1] < (c1 - c0) * C:
-                part = F.pad(part, (0, 0, 0, 0, 0, (c1 - c0) * C - part.shape[1]))
-            out = torch.empty(c1 - c0, B, H, C, D, dtype=dtype, device=x.device)
-            out.copy_(part.unflatten(1, (c1 - c0, C)).permute(1, 0, 3, 2, 4))
-            return out.view(n, H, C, D)
+            self._uniform_rows(out, c0, c1, T, x, load=True, floor=floor)
+            return out
         rows, tokens = self._block_maps(p0, p1)
         flat = torch.zeros(n * C, H, D, dtype=dtype, device=x.device)
         flat.index_copy_(0, rows, x[0].index_select(0, tokens).to(dtype))
-        return flat.view(n, C, H, D).transpose(1, 2).contiguous()
+        out.copy_(flat.view(n, C, H, D).transpose(1, 2))
+        return out.clamp_(min=floor) if floor is not None else out
+
+    def _uniform_rows(self, packed: torch.Tensor, c0: int, c1: int, T: int, x: torch.Tensor, load: bool,
+                      floor: Optional[float] = None) -> None:
+        """Copies between the packed chunks c0..c1-1 (uniform layout: [(c1 - c0) * B, H, C, D]) and
+        their tokens of x [B, T, H, D], one strided copy for the whole chunks and one for a partial
+        last chunk (whose padding rows are zeroed on load); a load clamps below at `floor` if given."""
+        B, _, H, D = x.shape
+        C = self.C
+        chunks = packed.view(c1 - c0, B, H, C, D).permute(1, 0, 3, 2, 4)  # [B, chunks, C, H, D], a view
+        valid = min(T, c1 * C) - c0 * C
+        full, rest = divmod(valid, C)
+        pairs = [(chunks[:, :full], x[:, c0 * C:c0 * C + full * C].unflatten(1, (full, C)))] if full else []
+        if rest:
+            pairs.append((chunks[:, full, :rest], x[:, c0 * C + full * C:c0 * C + valid]))
+        for p, t in pairs:
+            if not load:
+                t.copy_(p)
+            elif floor is not None and t.dtype == p.dtype:
+                torch.clamp(t, min=floor, out=p)
+            else:
+                p.copy_(t)
+                if floor is not None:  # a 16-bit gate: clamp's out= takes only its input's dtype
+                    p.clamp_(min=floor)
+        if load and rest:
+            chunks[:, full, rest:].zero_()
 
     def store(self, y: torch.Tensor, p0: int, p1: int, out: torch.Tensor) -> None:
         """Writes packed rows p0..p1-1, y [p1 - p0, H, C, D], into out [B, T, H, D] (valid rows)."""
         B, T, H, D = out.shape
         C, n = self.C, p1 - p0
         if self.uniform:
-            c0, c1 = p0 // B, p1 // B
-            end = min(T, c1 * C)
-            rows = y.view(c1 - c0, B, H, C, D).permute(1, 0, 3, 2, 4).flatten(1, 2)  # [B, rows, H, D]
-            out[:, c0 * C:end].copy_(rows[:, :end - c0 * C])
+            self._uniform_rows(y, p0 // B, p1 // B, T, out, load=False)
             return
         rows, tokens = self._block_maps(p0, p1)
         flat = y.transpose(1, 2).reshape(n * C, H, D)
@@ -312,20 +340,24 @@ def _matmul_may_round(device: torch.device) -> bool:
     return True  # an unknown device's fp32 matmul: assume it may
 
 
-def span_sums(kind: str, x: torch.Tensor, w: int) -> torch.Tensor:
+def span_sums(kind: str, x: torch.Tensor, w: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """M @ x over blocks of w rows: x [..., R, K] (R a multiple of w) -> [..., R * (rows of M) / w, K],
-    with M the constant `kind` matrix."""
+    with M the constant `kind` matrix; into `out` (contiguous) when given."""
     device = x.device
     m = _constant(kind, w, x.dtype, device)
     blocks = x.reshape(-1, w, x.shape[-1])
     mb = m.expand(blocks.shape[0], m.shape[0], w)
+    shape = (*x.shape[:-2], x.shape[-2] // w * m.shape[0], x.shape[-1])
+    if out is None:
+        out = x.new_empty(shape)
+    flat = out.view(blocks.shape[0], m.shape[0], x.shape[-1])
     if x.dtype == torch.float32 and (device.type != "cpu" or _precision_reduced()) and _matmul_may_round(device):
         hi = blocks.to(torch.bfloat16).to(torch.float32)  # 8 mantissa bits: exact in TF32
-        out = torch.bmm(mb, hi)
-        out.baddbmm_(mb, blocks - hi)
+        torch.bmm(mb, hi, out=flat)
+        flat.baddbmm_(mb, blocks - hi)
     else:
-        out = torch.bmm(mb, blocks)
-    return out.view(*x.shape[:-2], x.shape[-2] // w * m.shape[0], x.shape[-1])
+        torch.bmm(mb, blocks, out=flat)
+    return out.view(shape)
 
 
 def _precision_reduced() -> bool:
@@ -340,9 +372,10 @@ class Decays:
     whole: torch.Tensor       # e^(b_last) [..., K]
 
 
-def decays(gl: torch.Tensor) -> Decays:
+def decays(gl: torch.Tensor, ws: Optional[Scratch] = None, name: str = "decays") -> Decays:
     C = gl.shape[-2]
-    both = span_sums("decay", gl, C).exp_()
+    ws = ws or _scratch.fresh(gl)
+    both = span_sums("decay", gl, C, ws.take(name, (*gl.shape[:-2], 2 * C, gl.shape[-1]))).exp_()
     from_start, to_end = both[..., :C, :], both[..., C:, :]
     return Decays(from_start, to_end, from_start[..., -1, :])
 
@@ -375,18 +408,21 @@ class Level:
         return x[..., :h, :], x[..., h:, :]
 
 
-def levels(q, k, gl, keep_factors: bool) -> List[Level]:
+def levels(q, k, gl, keep_factors: bool, ws: Optional[Scratch] = None) -> List[Level]:
     """Every level's factors and operands for the block q, k, gl [..., C, K]."""
     C = gl.shape[-2]
+    ws = ws or _scratch.fresh(gl)
     out = []
     for w in _levels(C):
         h = w // 2
+        f = ws.take(f"factors{w}", gl.shape)
         if w == 2:  # (s, p] is row 1 alone, (p, t] is empty: no matmul of 2 x 2 blocks
-            f = torch.ones_like(gl).unflatten(-2, (C // 2, 2))
+            f = f.unflatten(-2, (C // 2, 2))
+            f[..., 1, :].fill_(1)
             torch.exp(gl[..., 1::2, :], out=f[..., 0, :])
         else:
-            f = span_sums("pivot", gl, w).exp_().unflatten(-2, (C // w, w))
-        ops = torch.empty_like(f) if keep_factors else f
+            f = span_sums("pivot", gl, w, f).exp_().unflatten(-2, (C // w, w))
+        ops = ws.take(f"ops{w}", gl.shape).view(f.shape) if keep_factors else f
         torch.mul(k.unflatten(-2, (C // w, w))[..., :h, :], f[..., :h, :], out=ops[..., :h, :])
         torch.mul(q.unflatten(-2, (C // w, w))[..., h:, :], f[..., h:, :], out=ops[..., h:, :])
         out.append(Level(w, f if keep_factors else None, ops))
@@ -401,55 +437,84 @@ def _quadrants(M: torch.Tensor, w: int) -> torch.Tensor:
     return blocks[..., half:, :half, :].movedim(-1, -3)
 
 
-def _products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _products(a: torch.Tensor, b: torch.Tensor, ws: Scratch, name: str) -> torch.Tensor:
     """a @ b^T over the last dim, [.., n, K] x [.., m, K] -> [.., n, m] (1 x 1: a product and a sum)."""
-    if a.shape[-2] == 1:
-        return (a * b).sum(-1, keepdim=True)
-    return a @ b.transpose(-1, -2)
+    n, m, K = a.shape[-2], b.shape[-2], a.shape[-1]
+    if n == 1:
+        prod = torch.mul(a, b, out=ws.take(name, a.shape))
+        return torch.sum(prod, -1, keepdim=True, out=ws.take(name + "_sum", (*a.shape[:-1], 1)))
+    return _bmm(a, b.transpose(-1, -2), ws.take(name, (*a.shape[:-1], m)))
 
 
-def attention(q, k, gl, scale, lv: Optional[List[Level]] = None):
+def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, alpha: float = 1.0):
+    """out (contiguous) = (or +=) alpha a @ b over matching leading dims, as one bmm on views (matmul's
+    out= copies through a temporary for more than 3 dims)."""
+    a3 = a.reshape(-1, a.shape[-2], a.shape[-1])
+    b3 = b.reshape(-1, b.shape[-2], b.shape[-1])
+    o3 = out.view(-1, out.shape[-2], out.shape[-1])
+    if accumulate or alpha != 1.0:
+        o3.baddbmm_(a3, b3, beta=1 if accumulate else 0, alpha=alpha)  # beta 0: old contents ignored
+    else:
+        torch.bmm(a3, b3, out=o3)
+    return out
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor, ws: Scratch, name: str) -> torch.Tensor:
+    """sum over the last dim of a * b, [..., R, K] -> [..., R]."""
+    prod = torch.mul(a, b, out=ws.take(name, a.shape))
+    return torch.sum(prod, -1, out=ws.take(name + "_sum", a.shape[:-1]))
+
+
+def attention(q, k, gl, scale, lv: Optional[List[Level]] = None, ws: Optional[Scratch] = None):
     """F3: A [..., C, C], A[t, s] = scale * sum_i q_ti k_si e^(b_ti - b_si) for s <= t, 0 above
     (the upper triangle is never computed: a select, not a mask product)."""
     C = q.shape[-2]
-    A = q.new_zeros(q.shape[:-1] + (C,))
-    for level in (lv if lv is not None else levels(q, k, gl, False)):
+    ws = ws or _scratch.fresh(q)
+    A = ws.zeros("attention", q.shape[:-1] + (C,))
+    for level in (lv if lv is not None else levels(q, k, gl, False, ws)):
         kop, qop = level.halves(level.ops)
-        _quadrants(A, level.w).copy_(_products(qop, kop))
-    torch.diagonal(A, dim1=-2, dim2=-1).copy_((q * k).sum(-1))
+        _quadrants(A, level.w).copy_(_products(qop, kop, ws, "attention_products"))
+    torch.diagonal(A, dim1=-2, dim2=-1).copy_(_row_dot(q, k, ws, "attention_diagonal"))
     return A.mul_(scale)
 
 
-def intra_gradients(q, k, gl, dA, dq, dk, dg, lv: Optional[List[Level]] = None):
+def intra_gradients(q, k, gl, dA, dq, dk, dg, lv: Optional[List[Level]] = None, ws: Optional[Scratch] = None):
     """B4 and the intra-chunk part of dg: adds into dq, dk, dg [..., C, K] the gradients through
     A given dA [..., C, C] (scale included). Per quadrant, mk = dA^T (q ops), mq = dA (k ops):
     dk gains ek mk and dq eq mq, and dg_u every pair s < u <= t: on key rows the sum over s < u of
     k ops * mk, on query rows the sum over t >= u of q ops * mq."""
     C = q.shape[-2]
-    for level in (lv if lv is not None else levels(q, k, gl, True)):
-        w = level.w
+    ws = ws or _scratch.fresh(q)
+    for level in (lv if lv is not None else levels(q, k, gl, True, ws)):
+        w, h = level.w, level.w // 2
         kop, qop = level.halves(level.ops)
         ek, eq = level.halves(level.factors)
         dAq = _quadrants(dA, w)
+        half = kop.shape  # [..., C/w, w/2, K]
+        mk, mq = ws.take("intra_mk", half), ws.take("intra_mq", half)
         if w == 2:  # 1 x 1 quadrants: products, not matmuls
-            mk, mq = dAq * qop, dAq * kop
+            torch.mul(dAq, qop, out=mk)
+            torch.mul(dAq, kop, out=mq)
         else:
-            mk, mq = dAq.transpose(-1, -2) @ qop, dAq @ kop
+            dA3 = dAq.reshape(-1, h, h)
+            torch.bmm(dA3.transpose(-1, -2), qop.reshape(-1, h, qop.shape[-1]), out=mk.view(-1, h, half[-1]))
+            torch.bmm(dA3, kop.reshape(-1, h, kop.shape[-1]), out=mq.view(-1, h, half[-1]))
         split = lambda x: x.unflatten(-2, (C // w, 2, w // 2))  # noqa: E731
         dg_k, dg_q = split(dg)[..., 0, :, :], split(dg)[..., 1, :, :]
+        yq = torch.mul(qop, mq, out=ws.take("intra_yq", half))
         if w == 2:  # the key row has no s < u in its block; the query row's sum is its own term
-            dg_q.add_(qop * mq)
-        elif w == 4:  # halves of 2 rows: the sums are single adds, not matmuls of 2 x 2 blocks
-            yk, yq = kop * mk, qop * mq
-            dg_k[..., 1, :].add_(yk[..., 0, :])
-            dg_q[..., 0, :].add_(yq[..., 0, :]).add_(yq[..., 1, :])
-            dg_q[..., 1, :].add_(yq[..., 1, :])
+            dg_q.add_(yq)
         else:
-            dg_k.add_(span_sums("before", kop * mk, w // 2))
-            dg_q.add_(span_sums("from", qop * mq, w // 2))
+            yk = torch.mul(kop, mk, out=ws.take("intra_yk", half))
+            if w == 4:  # halves of 2 rows: the sums are single adds, not matmuls of 2 x 2 blocks
+                dg_k[..., 1, :].add_(yk[..., 0, :])
+                dg_q[..., 0, :].add_(yq[..., 0, :]).add_(yq[..., 1, :])
+                dg_q[..., 1, :].add_(yq[..., 1, :])
+            else:
+                dg_k.add_(span_sums("before", yk, h, ws.take("intra_sums", half)))
+                dg_q.add_(span_sums("from", yq, h, ws.take("intra_sums", half)))
         split(dq)[..., 1, :, :].addcmul_(eq, mq)
         split(dk)[..., 0, :, :].addcmul_(ek, mk)
-        del mk, mq
     diag = torch.diagonal(dA, dim1=-2, dim2=-1).unsqueeze(-1)
     dq.addcmul_(diag, k)
     dk.addcmul_(diag, q)
@@ -533,15 +598,14 @@ def _forward(layout: Layout, q, k, v, g, scale, h0, cd, o_out, final_out):
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     S = _running_state(layout, h0, H, K, V, cd, q.device)
     counts, firsts = layout.step_count, layout.step_start
+    ws = _scratch.for_call(cd, q.device)
     for c0, c1 in layout.step_blocks(_row_bytes(layout, H, K, V, cd, False), _block_budget(q.device)):
         p0, p1 = layout.rows_of(c0, c1)
-        qb, kb, vb = layout.load(q, p0, p1, cd), layout.load(k, p0, p1, cd), layout.load(v, p0, p1, cd)
-        gl = clamped_gate(layout.load(g, p0, p1, cd))
-        dec = decays(gl)
-        A = attention(qb, kb, gl, scale)
-        del gl
-        ob = A @ vb
-        del A
+        qb, kb, vb = (layout.load(x, p0, p1, cd, ws, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+        gl = layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd))
+        dec = decays(gl, ws)
+        A = attention(qb, kb, gl, scale, ws=ws)
+        ob = _bmm(A, vb, ws.take("o", vb.shape))
         qb.mul_(dec.from_start)
         kb.mul_(dec.to_end)
         for c in range(c0, c1):  # the scan: o += scale (q e^b) S_c, S_c+1 = e^(b_last) S_c + kw^T v
@@ -550,8 +614,8 @@ def _forward(layout: Layout, q, k, v, g, scale, h0, cd, o_out, final_out):
             _flat3(ob, a, n).baddbmm_(_flat3(qb, a, n), Sn, alpha=scale)
             Sn.mul_(_flat3(dec.whole, a, n).unsqueeze(-1))
             Sn.baddbmm_(_flat3(kb, a, n).transpose(-1, -2), _flat3(vb, a, n))
-        del qb, kb, vb, dec
         layout.store(ob, p0, p1, o_out)
+    ws.keep_at_most(SCRATCH_KEPT_BYTES)
     if final_out is not None:
         final_out.copy_(_sequence_order(layout, S))
 
@@ -562,12 +626,13 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     counts, firsts = layout.step_count, layout.step_start
     blocks = layout.step_blocks(_row_bytes(layout, H, K, V, cd, True), _block_budget(q.device))
     # B0: the state each chunk enters, h [chunks, H, K, V] (the one full-size intermediate)
+    ws = _scratch.for_call(cd, q.device)
     S = _running_state(layout, h0, H, K, V, cd, q.device)
     h = q.new_empty(layout.total, H, K, V, dtype=cd)
     for c0, c1 in blocks:
         p0, p1 = layout.rows_of(c0, c1)
-        kb, vb = layout.load(k, p0, p1, cd), layout.load(v, p0, p1, cd)
-        dec = decays(clamped_gate(layout.load(g, p0, p1, cd)))
+        kb, vb = layout.load(k, p0, p1, cd, ws, "k"), layout.load(v, p0, p1, cd, ws, "v")
+        dec = decays(layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd)), ws)
         kb.mul_(dec.to_end)
         for c in range(c0, c1):
             a, n = firsts[c] - p0, counts[c]
@@ -575,7 +640,6 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
             Sn = S[:n].flatten(0, 1)
             Sn.mul_(_flat3(dec.whole, a, n).unsqueeze(-1))
             Sn.baddbmm_(_flat3(kb, a, n).transpose(-1, -2), _flat3(vb, a, n))
-        del kb, vb, dec
     del S
     # B1 (reverse scan, blocks in reverse) and, per block, B2-B5
     # A sequence's entry is untouched (dht) until the step of its last chunk: steps only update
@@ -583,60 +647,54 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     dS = _running_state(layout, dht, H, K, V, cd, q.device)
     for c0, c1 in reversed(blocks):
         p0, p1 = layout.rows_of(c0, c1)
-        qb, kb, vb = layout.load(q, p0, p1, cd), layout.load(k, p0, p1, cd), layout.load(v, p0, p1, cd)
-        gl = clamped_gate(layout.load(g, p0, p1, cd))
-        dob = layout.load(do, p0, p1, cd) if do is not None else vb.new_zeros(vb.shape)
-        dec = decays(gl)
-        qw = qb * dec.from_start
-        dh = qb.new_empty(p1 - p0, H, K, V)
+        qb, kb, vb = (layout.load(x, p0, p1, cd, ws, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+        gl = layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd))
+        dob = layout.load(do, p0, p1, cd, ws, "do") if do is not None else ws.zeros("do", vb.shape)
+        dec = decays(gl, ws)
+        qw = torch.mul(qb, dec.from_start, out=ws.take("qw", qb.shape))
+        dh = ws.take("dh", (p1 - p0, H, K, V))
         for c in reversed(range(c0, c1)):
             a, n = firsts[c] - p0, counts[c]
             dh[a:a + n].copy_(dS[:n])  # dL/d(state at the end of chunk c)
             Sn = dS[:n].flatten(0, 1)
             Sn.mul_(_flat3(dec.whole, a, n).unsqueeze(-1))
             Sn.baddbmm_(_flat3(qw, a, n).transpose(-1, -2), _flat3(dob, a, n), alpha=scale)
-        del qw
-        dA = (dob @ vb.transpose(-1, -2)).mul_(scale)  # B3
-        dqb, dkb, dgb = torch.zeros_like(qb), torch.zeros_like(kb), torch.zeros_like(qb)
-        lv = levels(qb, kb, gl, True)
-        del gl
-        intra_gradients(qb, kb, None, dA, dqb, dkb, dgb, lv)  # B4 and the intra-chunk dg
-        del dA
-        A = attention(qb, kb, None, scale, lv)
-        del lv
-        dvb = A.transpose(-1, -2) @ dob  # B2
-        del A
-        kw = kb * dec.to_end
-        _flat(dvb).baddbmm_(_flat(kw), _flat(dh))
-        del kw
-        add_inter_gradients(qb, kb, vb, dob, h[p0:p1], dh, dec, scale, dqb, dkb, dgb)  # B5
-        del dh, dec, dob, qb, kb, vb
+        dA = _bmm(dob, vb.transpose(-1, -2), ws.take("dA", qb.shape[:-1] + (qb.shape[-2],)), alpha=scale)  # B3
+        dqb, dkb, dgb = ws.zeros("dq", qb.shape), ws.zeros("dk", kb.shape), ws.zeros("dg", qb.shape)
+        lv = levels(qb, kb, gl, True, ws)
+        intra_gradients(qb, kb, None, dA, dqb, dkb, dgb, lv, ws)  # B4 and the intra-chunk dg
+        A = attention(qb, kb, None, scale, lv, ws)
+        dvb = _bmm(A.transpose(-1, -2), dob, ws.take("dv", vb.shape))  # B2
+        kw = torch.mul(kb, dec.to_end, out=qw)  # qw is dead
+        _bmm(kw, dh, dvb, accumulate=True)
+        add_inter_gradients(qb, kb, vb, dob, h[p0:p1], dh, dec, scale, dqb, dkb, dgb, ws)  # B5
         for packed, out in ((dqb, dq_out), (dkb, dk_out), (dvb, dv_out)):
             if out is not None:
                 layout.store(packed, p0, p1, out)
         if dg_out is not None:
             layout.store(dgb.sum(-1, keepdim=True) if dg_out.dim() == 3 else dgb, p0, p1,
                          dg_out.unsqueeze(-1) if dg_out.dim() == 3 else dg_out)
-        del dqb, dkb, dvb, dgb
+    ws.keep_at_most(SCRATCH_KEPT_BYTES)
     if dh0_out is not None:
         dh0_out.copy_(_sequence_order(layout, dS))
 
 
-def add_inter_gradients(qc, kc, vc, doc, h, dh, dec: Decays, scale, dq, dk, dg):
+def add_inter_gradients(qc, kc, vc, doc, h, dh, dec: Decays, scale, dq, dk, dg, ws: Optional[Scratch] = None):
     """B5: adds the inter-chunk parts into dq, dk, dg [..., C, K]: dq_t += scale e^(b_t) (S_c do_t),
     dk_s += e^(b_last - b_s) (dS_{c+1} v_s), and to dg_u the sums over t >= u of q_t dq_t^inter,
     over s < u of k_s dk_s^inter, and e^(b_last) rowsum(S_c * dS_{c+1}). doc None: do = 0."""
     C = qc.shape[-2]
+    ws = ws or _scratch.fresh(qc)
+    inter = ws.take("inter", qc.shape)
+    sums = ws.take("inter_sums", qc.shape)
     if doc is not None:
-        dq_inter = (doc @ h.transpose(-1, -2)).mul_(dec.from_start).mul_(scale)
-        dq.add_(dq_inter)
-        dg.add_(span_sums("from", dq_inter.mul_(qc), C))
-        del dq_inter
-    dk_inter = (vc @ dh.transpose(-1, -2)).mul_(dec.to_end)
-    dk.add_(dk_inter)
-    dg.add_(span_sums("before", dk_inter.mul_(kc), C))
-    del dk_inter
-    dg.add_((h * dh).sum(-1).mul_(dec.whole).unsqueeze(-2))
+        _bmm(doc, h.transpose(-1, -2), inter, alpha=scale).mul_(dec.from_start)
+        dq.add_(inter)
+        dg.add_(span_sums("from", inter.mul_(qc), C, sums))
+    _bmm(vc, dh.transpose(-1, -2), inter).mul_(dec.to_end)
+    dk.add_(inter)
+    dg.add_(span_sums("before", inter.mul_(kc), C, sums))
+    dg.add_(_row_dot(h, dh, ws, "inter_states").mul_(dec.whole).unsqueeze(-2))
 
 
 def unpack_gate_gradient(layout: Layout, dg, out) -> None:
@@ -650,11 +708,15 @@ def unpack_gate_gradient(layout: Layout, dg, out) -> None:
 
 
 def _row_bytes(layout: Layout, H: int, K: int, V: int, dtype: torch.dtype, backward: bool) -> int:
-    """Bytes of one packed chunk row's (H heads') temporaries inside a block, roughly."""
+    """Bytes of one packed chunk row's (H heads') scratch buffers inside a block: the forward's
+    q, k, g, decays (2), level factors (6), products and diagonal (1.5) in [C, K], v and o in
+    [C, V], A in [C, C]; the backward's q, k, g, decays (2), qw, dq, dk, dg, factors and operands
+    (12), intra temporaries (3), attention diagonal, dq/dk inter and their sums (3) in [C, K], v,
+    do, dv in [C, V], A and dA in [C, C], dh and the state products in [K, V]."""
     C, esize = layout.C, torch.finfo(dtype).bits // 8
     if backward:
-        return esize * H * (C * (11 * K + 4 * V + 3 * C) + K * V)
-    return esize * H * C * (6 * K + 2 * V + 2 * C)
+        return esize * H * (C * (27 * K + 3 * V + 2 * C) + 2 * K * V)
+    return esize * H * C * (25 * K // 2 + 2 * V + C)
 
 
 def _block_budget(device) -> int:
@@ -678,6 +740,10 @@ os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 def _single_threaded(barrier: threading.Barrier) -> None:
+    # get_num_threads first: it runs the thread's one-time OpenMP setup, which otherwise runs at the
+    # thread's first parallel op and re-applies the process-wide count (2 OpenMP threads per worker
+    # on 2 cores: 1.6x the forward's process CPU time at T4096).
+    torch.get_num_threads()
     torch.set_num_threads(1)
     barrier.wait()
 
