@@ -22,6 +22,15 @@ Also the ctypes fallback (GLA_NATIVE_OPS=0, in a child process) for comparison, 
 
 Each figure is the best over the repeats of (time of `calls` calls) / calls. On a loaded machine
 the process CPU time is the steadier figure; the wall time is what issue 20's targets are about.
+
+Instructions per call (load-independent): one row, CPU, under callgrind with instrumentation on for
+the measured calls only (bench/callgrind_toggle.c, built as its header says):
+
+    valgrind --tool=callgrind --instr-atstart=no python3 bench/python_overhead.py --device cpu \
+        --row "forward, requires_grad" --calls 1000 --callgrind-toggle /tmp/callgrind_toggle.so
+
+then the dump's `totals:` line (callgrind.out.<pid>.1) / 1000. The C call rows count too
+("C call (kernel): forward").
 """
 from __future__ import annotations
 
