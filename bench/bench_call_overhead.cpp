@@ -4,8 +4,11 @@
 //                   plan; nothing runs. Every PyTorch call pays this once before the forward.
 //   Forward         gla_chunk_forward with the dispatcher's choice: the same plus the kernel.
 //   ForwardForced   the same with options.backend = "cpu" (the forced-backend path).
+//   ForwardWithAllocator  gla_chunk_forward_with_allocator, the PyTorch operators' call: one
+//                   validation and plan, scratch from the caller's allocator (a host buffer here).
 //   Explain         gla_explain, for scale: the verdict table the error path formats.
-// Forward minus WorkspaceSize is the kernel's own time (the cpu backend's one-head loop).
+// Forward minus WorkspaceSize is the kernel's own time (the cpu backend's one-head loop); the
+// operators used to pay WorkspaceSize + Forward, now ForwardWithAllocator.
 //
 // Run: build/bench/bench_call_overhead (python bench/python_overhead.py: the same from PyTorch)
 #include <benchmark/benchmark.h>
@@ -73,6 +76,22 @@ void Forward(benchmark::State& state, const char* backend) {
   }
 }
 
+void ForwardWithAllocator(benchmark::State& state) {
+  Tiny x;
+  gla_options o;
+  gla_options_init(&o);
+  static std::vector<unsigned char> memory;
+  const gla_allocator allocator{[](void*, size_t bytes) -> void* {
+                                  if (memory.size() < bytes) memory.resize(bytes);
+                                  return memory.data();
+                                },
+                                nullptr};
+  for (auto _ : state) {
+    check(gla_chunk_forward_with_allocator(&x.args, &o, &allocator));
+    benchmark::DoNotOptimize(x.o.data());
+  }
+}
+
 void Explain(benchmark::State& state) {
   Tiny x;
   gla_options o;
@@ -87,6 +106,7 @@ void Explain(benchmark::State& state) {
 BENCHMARK(WorkspaceSize);
 BENCHMARK_CAPTURE(Forward, Default, nullptr);
 BENCHMARK_CAPTURE(Forward, ForcedCpu, "cpu");
+BENCHMARK(ForwardWithAllocator);
 BENCHMARK(Explain);
 
 }  // namespace

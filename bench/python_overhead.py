@@ -22,6 +22,15 @@ Also the ctypes fallback (GLA_NATIVE_OPS=0, in a child process) for comparison, 
 
 Each figure is the best over the repeats of (time of `calls` calls) / calls. On a loaded machine
 the process CPU time is the steadier figure; the wall time is what issue 20's targets are about.
+
+Instructions per call (load-independent): one row, CPU, under callgrind with instrumentation on for
+the measured calls only (bench/callgrind_toggle.c, built as its header says):
+
+    valgrind --tool=callgrind --instr-atstart=no python3 bench/python_overhead.py --device cpu \
+        --row "forward, requires_grad" --calls 1000 --callgrind-toggle /tmp/callgrind_toggle.so
+
+then the dump's `totals:` line (callgrind.out.<pid>.1) / 1000. The C call rows count too
+("C call (kernel): forward").
 """
 from __future__ import annotations
 
@@ -93,35 +102,66 @@ def measure(fn, calls, repeats, sync=None):
     return min(walls), min(cpus)
 
 
-def gla_rows(device, calls, repeats):
-    sync = torch.cuda.synchronize if device == "cuda" else None
+def gla_calls(device):
+    """{row: (callable, calls divisor, grad mode)} of the gla rows on `device`: the divisor shortens
+    the slow rows; grad mode False runs the whole loop under one torch.no_grad()."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v, g = inputs(device, dtype)
-    rows = {}
-    with torch.no_grad():
-        rows["forward, no_grad"] = measure(lambda: gla.chunk_gla(q, k, v, g), calls, repeats, sync)
     lq, lk, lv, lg = inputs(device, dtype, requires_grad=True)
-    rows["forward, requires_grad"] = measure(lambda: gla.chunk_gla(lq, lk, lv, lg), calls, repeats, sync)
 
     def step():
         o, _ = gla.chunk_gla(lq, lk, lv, lg)
         o.sum().backward()
-    rows["forward + backward"] = measure(step, max(1, calls // 4), repeats, sync)
     decode, update = decode_calls(decode_inputs(device, dtype))
-    with torch.no_grad():
-        rows["recurrent decode, no_grad"] = measure(decode, calls, repeats, sync)
     decode_grad, _ = decode_calls(decode_inputs(device, dtype, requires_grad=True))
-    rows["recurrent decode, requires_grad"] = measure(decode_grad, calls, repeats, sync)
-    rows["pool update"] = measure(update, calls, repeats, sync)
+    return {"forward, no_grad": (lambda: gla.chunk_gla(q, k, v, g), 1, False),
+            "forward, requires_grad": (lambda: gla.chunk_gla(lq, lk, lv, lg), 1, True),
+            "forward + backward": (step, 4, True),
+            "recurrent decode, no_grad": (decode, 1, False),
+            "recurrent decode, requires_grad": (decode_grad, 1, True),
+            "pool update": (update, 1, True)}
+
+
+def gla_rows(device, calls, repeats):
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    rows = {}
+    for name, (fn, div, grad) in gla_calls(device).items():
+        with torch.set_grad_enabled(grad):
+            rows[name] = measure(fn, max(1, calls // div), repeats, sync)
     return rows
 
 
-def c_call_rows(calls, repeats):
-    """libgla alone on CPU: descriptors built once, the C entry points through ctypes."""
+def count_row(device, name, calls, toggle):
+    """--row: only `name`, 50 warm-up calls then `calls` calls, no timing. `toggle`: the library
+    built from bench/callgrind_toggle.c; under `valgrind --tool=callgrind --instr-atstart=no` it
+    switches instrumentation on for the `calls` calls only, so the dump's total over `calls` is the
+    instructions per call."""
+    if name in ("C call (kernel): forward", "C call (kernel): backward"):
+        fn, grad = c_calls()[name], False
+    else:
+        fn, _, grad = gla_calls(device)[name]
+    lib = ctypes.CDLL(toggle) if toggle else None
+    with torch.set_grad_enabled(grad):
+        for _ in range(50):
+            fn()
+        if lib:
+            lib.callgrind_start()
+        for _ in range(calls):
+            fn()
+        if lib:
+            lib.callgrind_stop()
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def c_calls():
+    """libgla alone on CPU: descriptors built once, gla_chunk_forward / gla_chunk_backward through
+    ctypes."""
     lib = _lib.library()
     q, k, v, g = inputs("cpu", torch.float32)
     o, do = torch.empty_like(v), torch.rand_like(v)
     grads = [torch.empty_like(t) for t in (q, k, v, g)]
+    keep = (q, k, v, g, o, do, grads)
     d = {n: _tensors.describe(n, t) for n, t in zip(("q", "k", "v", "g", "o", "do", "dq", "dk", "dv", "dg"),
                                                      (q, k, v, g, o, do, *grads))}
     p = {n: ctypes.pointer(x) for n, x in d.items()}
@@ -130,9 +170,14 @@ def c_call_rows(calls, repeats):
     bwd = _lib.BackwardArgs(p["q"], p["k"], p["v"], p["g"], None, None, None, p["do"], None, p["dq"], p["dk"],
                             p["dv"], p["dg"], None)
     f, b, ro = ctypes.byref(fwd), ctypes.byref(bwd), ctypes.byref(opts)
-    forward = measure(lambda: lib.gla_chunk_forward(f, ro), calls, repeats)
-    backward = measure(lambda: lib.gla_chunk_backward(b, ro), max(1, calls // 4), repeats)
-    rows = {"C call (kernel): forward": forward, "C call (kernel): backward": backward}
+    return {"C call (kernel): forward": lambda: (keep, lib.gla_chunk_forward(f, ro))[1],
+            "C call (kernel): backward": lambda: (keep, lib.gla_chunk_backward(b, ro))[1]}
+
+
+def c_call_rows(calls, repeats):
+    fns = c_calls()
+    rows = {"C call (kernel): forward": measure(fns["C call (kernel): forward"], calls, repeats),
+            "C call (kernel): backward": measure(fns["C call (kernel): backward"], max(1, calls // 4), repeats)}
     rows.update(recurrent_c_call_rows(calls, repeats))
     return rows
 
@@ -228,8 +273,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--fallback", action="store_true", help="also time the ctypes fallback (child process)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON (used for --fallback)")
+    parser.add_argument("--row", help="only run this row (no timing; see count_row), e.g. 'forward, no_grad'")
+    parser.add_argument("--callgrind-toggle", metavar="LIB", help="with --row: bench/callgrind_toggle.c built")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a tiny problem: PyTorch's own thread pool only adds noise
+    if args.row:
+        count_row("cpu" if args.device == "all" else args.device, args.row, args.calls, args.callgrind_toggle)
+        return
 
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     if "cuda" in devices and not torch.cuda.is_available():

@@ -223,6 +223,27 @@ GLA_API gla_status gla_chunk_forward_workspace_size(const gla_chunk_forward_args
 GLA_API gla_status gla_chunk_backward_workspace_size(const gla_chunk_backward_args* args,
                                                      const gla_options* options, size_t* bytes);
 
+/* The caller's allocator for the scratch memory of one call: allocate(context, bytes) returns at
+ * least `bytes` bytes on the tensors' device (as options->workspace would be), or NULL when it
+ * cannot. */
+typedef struct gla_allocator {
+  void* (*allocate)(void* context, size_t bytes);
+  void* context;
+} gla_allocator;
+
+/* gla_chunk_forward / gla_chunk_backward, with scratch memory from the caller's allocator: one call
+ * instead of gla_*_workspace_size followed by the call, so the problem is validated and planned
+ * once. allocator->allocate is called at most once, on the calling thread, after validation and
+ * planning, when the call needs scratch that options->workspace does not cover; the memory must
+ * stay valid until the call returns (for stream-ordered devices: for the work it enqueues on
+ * options->stream), and the caller frees it afterwards. NULL from it fails the call with
+ * GLA_STATUS_OUT_OF_MEMORY before anything is written. allocator NULL: exactly gla_chunk_forward /
+ * gla_chunk_backward (scratch from the backend's own allocator). */
+GLA_API gla_status gla_chunk_forward_with_allocator(const gla_chunk_forward_args* args, const gla_options* options,
+                                                    const gla_allocator* allocator);
+GLA_API gla_status gla_chunk_backward_with_allocator(const gla_chunk_backward_args* args, const gla_options* options,
+                                                     const gla_allocator* allocator);
+
 /* ------------------------------------------------------------------------------------------ */
 /* The recurrent operator (the token loop; SPEC.md §6)                                          */
 /* ------------------------------------------------------------------------------------------ */
@@ -356,6 +377,12 @@ GLA_API gla_status gla_backend_info(int32_t index, const char** name, int32_t* p
 
 /* Switch a backend off or on for this process (like GLA_DISABLE). */
 GLA_API gla_status gla_backend_set_enabled(const char* name, int32_t enabled);
+
+/* libgla reads its environment variables (GLA_BACKEND, GLA_POLICY, GLA_LOG, GLA_DISABLE,
+ * GLA_TUNE_FILE, GLA_NUM_THREADS, GLA_CPU_ISA, GLA_CPU_POISON_SCRATCH) once, at the first call that
+ * needs one. After changing them in a running process, call this: calls that start afterwards see
+ * the new values. (GLA_PLUGINS is read once when the registry is built; gla_load_plugin loads more.) */
+GLA_API gla_status gla_reload_environment(void);
 
 /* Writes into *text a human-readable verdict table for these arguments: every backend, unit by
  * unit (available, enabled, verdict and reason) and which backend would run each unit. The text

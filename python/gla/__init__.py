@@ -10,7 +10,7 @@ See docs/python.md.
 """
 from . import _ops
 from ._api import (BackendInfo, backend, backends, chunk_gla, explain, library_path, load_plugin, policy,
-                   set_backend_enabled, version)
+                   reload_environment, set_backend_enabled, version)
 from ._lib import GlaError
 from ._recurrent import explain_recurrent, fused_recurrent_gla, recurrent_state_update
 from ._capabilities import capabilities
@@ -18,7 +18,7 @@ from ._tune import tune
 
 __all__ = ["chunk_gla", "backends", "explain", "backend", "policy", "set_backend_enabled", "load_plugin",
            "BackendInfo", "GlaError", "library_path", "version", "fused_recurrent_gla", "recurrent_state_update",
-           "explain_recurrent", "tune", "capabilities"]
+           "explain_recurrent", "tune", "capabilities", "reload_environment"]
 
 try:
     _ops.ensure_loaded()

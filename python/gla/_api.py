@@ -19,6 +19,13 @@ def _as_host_offsets(cu_seqlens_cpu) -> Optional[Tensor]:
     return torch.tensor(list(cu_seqlens_cpu), dtype=torch.int64)
 
 
+def _reject_non_tensors(required, optional) -> None:
+    """TypeError naming the first argument that is not a tensor (None allowed for the optional ones)."""
+    for name, t in required + tuple((name, t) for name, t in optional if t is not None):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
 def _default_scale(q: Tensor, scale: Optional[float]) -> float:
     if scale is not None:
         return float(scale)
@@ -54,21 +61,27 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float]
     (dtype problems) with libgla's message, RuntimeError otherwise. Tensors on the meta device are
     rejected (they hold no data); torch.compile traces through with fake tensors.
     """
-    named = (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens))
-    for name, t in named:
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    _validate.reject_meta(named + (("cu_seqlens_cpu", cu_seqlens_cpu),))
+    # The common case tested inline (a loop over the arguments costs ~10k instructions per call);
+    # the slow paths name the argument.
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and isinstance(g, Tensor)
+            and (initial_state is None or isinstance(initial_state, Tensor))
+            and (cu_seqlens is None or isinstance(cu_seqlens, Tensor))):
+        _reject_non_tensors((("q", q), ("k", k), ("v", v), ("g", g)),
+                            (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)))
+    if (q.is_meta or k.is_meta or v.is_meta or g.is_meta or (initial_state is not None and initial_state.is_meta)
+            or (cu_seqlens is not None and cu_seqlens.is_meta) or cu_seqlens_cpu is not None):
+        _validate.reject_meta((("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
+                               ("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)))
     if not _ops._loaded:
         _ops.ensure_loaded()  # raises ImportError when libgla is missing
-    backend_name = _ops.current_backend()
-    host = _as_host_offsets(cu_seqlens_cpu)
+    backend_name = _ops.selection.backend
+    host = cu_seqlens_cpu if cu_seqlens_cpu is None else _as_host_offsets(cu_seqlens_cpu)
     if q.dtype == torch.float64:
         return _float64_chunk_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
                                   host, backend_name, bool(check_inputs))
     try:
         o, final = _ops.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, host, _default_scale(q, scale),
-                                  bool(state_v_first), bool(output_final_state), backend_name, _ops.current_policy(),
+                                  bool(state_v_first), bool(output_final_state), backend_name, _ops.selection.policy,
                                   bool(check_inputs))
     except RuntimeError as e:
         raise _lib.python_error(e) from None
@@ -138,6 +151,14 @@ def set_backend_enabled(name: str, enabled: bool = True) -> None:
     """Switches a backend on or off for this process (like GLA_DISABLE)."""
     lib = _ops.ensure_loaded()
     _lib.raise_for(lib.gla_backend_set_enabled(name.encode(), int(bool(enabled))))
+
+
+def reload_environment() -> None:
+    """Has libgla read its environment variables (GLA_BACKEND, GLA_DISABLE, GLA_POLICY, GLA_LOG, ...)
+    again: it reads them once, at the first call that needs one, so changes made later in this
+    process (``os.environ[...] = ...``) apply to the calls made after this."""
+    lib = _ops.ensure_loaded()
+    _lib.raise_for(lib.gla_reload_environment())
 
 
 def load_plugin(path: str) -> None:

@@ -164,6 +164,7 @@ def _declare(lib):
         "gla_backend_info": (c.c_int, [c.c_int32, c.POINTER(c.c_char_p), c.POINTER(c.c_int32), c.POINTER(c.c_int32),
                                        c.POINTER(c.c_char_p)]),
         "gla_backend_set_enabled": (c.c_int, [c.c_char_p, c.c_int32]),
+        "gla_reload_environment": (c.c_int, []),
         "gla_explain": (c.c_int, [c.POINTER(ForwardArgs), c.POINTER(BackwardArgs), c.POINTER(Options),
                                   c.POINTER(c.c_char_p)]),
         "gla_register_backend": (c.c_int, [c.POINTER(BackendDesc)]),

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/dispatcher.hpp"
+#include "core/environment.hpp"
 
 namespace gla {
 std::unique_ptr<Backend> make_callback_backend(const gla_backend_desc& desc);
@@ -98,6 +99,26 @@ gla_status gla_chunk_backward_from_states(const gla_chunk_backward_args* args, c
   });
 }
 
+gla_status gla_chunk_forward_with_allocator(const gla_chunk_forward_args* args, const gla_options* options,
+                                            const gla_allocator* allocator) {
+  return guarded([&] {
+    const gla_options opts = gla::read_options(options);
+    gla::check_allocator(allocator);
+    gla::PreparedProblem prepared = gla::prepare_forward(args, opts, false);
+    gla::execute(prepared, opts, allocator);
+  });
+}
+
+gla_status gla_chunk_backward_with_allocator(const gla_chunk_backward_args* args, const gla_options* options,
+                                             const gla_allocator* allocator) {
+  return guarded([&] {
+    const gla_options opts = gla::read_options(options);
+    gla::check_allocator(allocator);
+    gla::PreparedProblem prepared = gla::prepare_backward(args, opts, false);
+    gla::execute(prepared, opts, allocator);
+  });
+}
+
 gla_status gla_chunk_forward_workspace_size(const gla_chunk_forward_args* args, const gla_options* options,
                                             size_t* bytes) {
   return guarded([&] {
@@ -163,7 +184,7 @@ gla_status gla_recurrent_explain(const gla_recurrent_forward_args* fwd, const gl
 
 int32_t gla_backend_count(void) {
   try {
-    return static_cast<int32_t>(gla::Registry::instance().snapshot().size());
+    return static_cast<int32_t>(gla::Registry::instance().snapshot()->size());
   } catch (...) {
     return 0;
   }
@@ -172,7 +193,8 @@ int32_t gla_backend_count(void) {
 gla_status gla_backend_info(int32_t index, const char** name, int32_t* priority, int32_t* available,
                             const char** reason) {
   return guarded([&] {
-    const auto entries = gla::Registry::instance().snapshot();
+    const auto snapshot = gla::Registry::instance().snapshot();
+    const auto& entries = *snapshot;
     if (index < 0 || index >= static_cast<int32_t>(entries.size())) {
       gla::fail(GLA_STATUS_INVALID_ARGUMENT, "index: expected 0 <= index < " + std::to_string(entries.size()) +
                                                  ", got " + std::to_string(index));
@@ -185,6 +207,10 @@ gla_status gla_backend_info(int32_t index, const char** name, int32_t* priority,
     if (available) *available = e.availability.ok && e.enabled;
     if (reason) *reason = t_info_reason.c_str();
   });
+}
+
+gla_status gla_reload_environment(void) {
+  return guarded([] { gla::reload_environment(); });
 }
 
 gla_status gla_backend_set_enabled(const char* name, int32_t enabled) {
@@ -236,7 +262,7 @@ gla_status gla_tune(const gla_chunk_forward_args* fwd, const gla_chunk_backward_
 gla_status gla_backend_capabilities(const char* name, const gla_capability** records, int32_t* count) {
   return guarded([&] {
     if (!records || !count) gla::fail(GLA_STATUS_INVALID_ARGUMENT, "records, count: required output pointers are missing (got NULL)");
-    for (const auto& e : gla::Registry::instance().snapshot()) {
+    for (const auto& e : *gla::Registry::instance().snapshot()) {
       if (name && e.backend->name() == name) {
         // The registry keeps the backend (and so its records) alive until it is removed or replaced.
         const auto& all = e.backend->capabilities();

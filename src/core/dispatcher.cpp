@@ -1,10 +1,10 @@
 #include "core/dispatcher.hpp"
 
 #include "core/capabilities.hpp"
+#include "core/environment.hpp"
 #include "core/tuner.hpp"
 
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -328,7 +328,8 @@ Plan fastest_known(const std::vector<RegistryEntry>& entries, const PreparedProb
 }
 
 Plan plan_with_reasons(const PreparedProblem& prepared, const DispatchControl& control, std::string& failure) {
-  const auto entries = Registry::instance().snapshot();
+  const auto snapshot = Registry::instance().snapshot();
+  const auto& entries = *snapshot;
   check_forced_names(entries, control);
   Plan plan = priority_plan(entries, prepared, control, failure);
   if (!fastest_applies(control) || (!plan.pipeline && !plan.whole)) return plan;
@@ -336,7 +337,8 @@ Plan plan_with_reasons(const PreparedProblem& prepared, const DispatchControl& c
 }
 
 std::string verdict_table(const PreparedProblem& prepared, const DispatchControl& control) {
-  const auto entries = Registry::instance().snapshot();
+  const auto snapshot = Registry::instance().snapshot();
+  const auto& entries = *snapshot;
   const int32_t op = prepared.problem.unit;
   std::vector<int32_t> units{op};
   for (int32_t s : pipeline_stages(op)) units.push_back(s);
@@ -373,14 +375,22 @@ void log_decision(const PreparedProblem& prepared, const DispatchControl& contro
 }
 
 // Memory borrowed for one call: from the caller's workspace when it is large enough, else from the
-// backend's allocator, returned at the end.
+// caller's allocator when given (the caller frees it), else from the backend's allocator, returned
+// at the end.
 class Scratch {
  public:
-  Scratch(Backend& backend, const gla_problem& problem, size_t bytes, const gla_options& options)
+  Scratch(Backend& backend, const gla_problem& problem, size_t bytes, const gla_options& options,
+          const gla_allocator* allocator)
       : backend_(backend), problem_(problem) {
     if (bytes == 0) return;
     if (options.workspace && options.workspace_bytes >= bytes) {
       base_ = static_cast<char*>(options.workspace);
+    } else if (allocator) {
+      base_ = static_cast<char*>(allocator->allocate(allocator->context, bytes));
+      if (!base_) {
+        fail(GLA_STATUS_OUT_OF_MEMORY, "workspace: the caller's allocator returned NULL for " + std::to_string(bytes) +
+                                           " bytes");
+      }
     } else {
       base_ = static_cast<char*>(backend.allocate(problem, bytes));
       owned_ = true;
@@ -453,9 +463,10 @@ std::string Plan::summary() const {
 
 DispatchControl make_control(const gla_options& options) {
   DispatchControl control;
-  if (const char* env = std::getenv("GLA_POLICY"); env && *env) control.policy = parse_policy(env);
-  if (const char* env = std::getenv("GLA_BACKEND"); env && *env) parse_backend_spec(env, control, "GLA_BACKEND");
-  if (const char* env = std::getenv("GLA_LOG"); env && std::strstr(env, "dispatch")) control.log = true;
+  const Environment& env = environment();
+  if (!env.policy.empty()) control.policy = parse_policy(env.policy);
+  if (!env.backend.empty()) parse_backend_spec(env.backend, control, "GLA_BACKEND");
+  control.log = env.log_dispatch;
   if (options.policy != GLA_POLICY_DEFAULT) control.policy = options.policy;
   if (options.backend && *options.backend) {
     // A per-call choice replaces the environment's.
@@ -510,7 +521,7 @@ std::vector<gla_tensor*> output_fields(gla_problem& p) {
   return out;
 }
 
-void run_plan(const gla_problem& whole, const Plan& plan, const gla_options& options);
+void run_plan(const gla_problem& whole, const Plan& plan, const gla_options& options, const gla_allocator* allocator);
 
 // Times every candidate on the call's inputs with outputs to scratch: one warm-up run, then three
 // timed runs (one when the warm-up took 100 ms or more: the noise is small against it), keeping the
@@ -553,7 +564,7 @@ TuneRecord measure(const std::vector<Candidate>& candidates, Backend& clock, con
   for (const Candidate& c : candidates) {
     double best = -1;
     try {
-      auto once = [&] { run_plan(p, c.plan, own); };
+      auto once = [&] { run_plan(p, c.plan, own, nullptr); };
       const double warm = clock.time_run_ms(p, once);
       const int runs = warm < 100 ? 3 : 1;
       for (int r = 0; r < runs; ++r) {
@@ -576,7 +587,8 @@ TuneRecord measure(const std::vector<Candidate>& candidates, Backend& clock, con
 // or — when it cannot measure — what is known.
 Plan fastest_plan(const PreparedProblem& prepared, const DispatchControl& control, const Plan& known,
                   const gla_options& options, bool remeasure, TuneRecord* out) {
-  const auto entries = Registry::instance().snapshot();
+  const auto snapshot = Registry::instance().snapshot();
+  const auto& entries = *snapshot;
   std::string failure;
   const Plan by_priority = priority_plan(entries, prepared, control, failure);
   if (!by_priority.pipeline && !by_priority.whole) return known;
@@ -599,7 +611,8 @@ Plan fastest_plan(const PreparedProblem& prepared, const DispatchControl& contro
 
 // What explain() says about `fastest` for this problem.
 std::string fastest_note(const PreparedProblem& prepared, const DispatchControl& control) {
-  const auto entries = Registry::instance().snapshot();
+  const auto snapshot = Registry::instance().snapshot();
+  const auto& entries = *snapshot;
   std::string failure;
   const Plan by_priority = priority_plan(entries, prepared, control, failure);
   if (!by_priority.pipeline && !by_priority.whole) return "";
@@ -701,11 +714,11 @@ void load_and_check(PreparedProblem& prepared, const gla_options& options, Backe
 }
 
 // Runs a plan on a whole-operation problem whose sequence offsets are loaded.
-void run_plan(const gla_problem& whole, const Plan& plan, const gla_options& options) {
+void run_plan(const gla_problem& whole, const Plan& plan, const gla_options& options, const gla_allocator* allocator) {
   if (!plan.pipeline) {
     gla_problem p = problem_for_unit(whole, whole.unit);
     const size_t bytes = plan.whole->workspace_size(p);
-    Scratch scratch(*plan.whole, p, bytes, options);
+    Scratch scratch(*plan.whole, p, bytes, options, allocator);
     p.workspace = scratch.base();
     p.workspace_bytes = bytes;
     plan.whole->run(p);
@@ -721,7 +734,7 @@ void run_plan(const gla_problem& whole, const Plan& plan, const gla_options& opt
   const auto sizes = pipeline_buffer_bytes(base);
   size_t total = 0;
   for (size_t s : sizes) total += s;
-  Scratch scratch(lead, base, total, options);
+  Scratch scratch(lead, base, total, options, allocator);
   char* cursor = scratch.base();
   gla_tensor* buffers[] = {&base.gcum, &base.h, &base.A, &base.dh, &base.dA, &base.dq_intra, &base.dk_intra};
   for (size_t i = 0; i < sizes.size(); ++i) {
@@ -738,13 +751,13 @@ void run_plan(const gla_problem& whole, const Plan& plan, const gla_options& opt
 
 }  // namespace
 
-void execute(PreparedProblem& prepared, const gla_options& options) {
+void execute(PreparedProblem& prepared, const gla_options& options, const gla_allocator* allocator) {
   const DispatchControl control = make_control(options);
   Plan plan = make_plan(prepared, control);
   load_and_check(prepared, options, plan.pipeline ? *plan.stages.front().second : *plan.whole);
   if (fastest_applies(control)) plan = fastest_plan(prepared, control, plan, options, false, nullptr);
   log_decision(prepared, control, plan);
-  run_plan(prepared.problem, plan, options);
+  run_plan(prepared.problem, plan, options, allocator);
 }
 
 std::string tune(PreparedProblem& prepared, const gla_options& options) {

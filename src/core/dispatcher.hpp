@@ -45,8 +45,8 @@ Plan make_plan(const PreparedProblem& prepared, const DispatchControl& control);
 std::string explain(const PreparedProblem& prepared, const DispatchControl& control);
 
 // Validated problem in, outputs written. The problem's offsets are loaded here when they live on a
-// device.
-void execute(PreparedProblem& prepared, const gla_options& options);
+// device. Scratch beyond options.workspace comes from `allocator` when given, else from the backend.
+void execute(PreparedProblem& prepared, const gla_options& options, const gla_allocator* allocator = nullptr);
 size_t workspace_size(PreparedProblem& prepared, const gla_options& options);
 
 // gla_tune: measures the `fastest` candidates for this problem anew (replacing the cached record)

@@ -4,20 +4,18 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "core/environment.hpp"
+
 namespace gla {
 
 // GLA_NUM_THREADS, else the hardware's concurrency.
 inline int host_thread_count() {
-  if (const char* env = std::getenv("GLA_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
+  if (const int n = environment().num_threads; n > 0) return n;
   // Read once: hardware_concurrency() walks sysfs, ~14% of a tiny call's host time when read per call.
   static const unsigned hw = std::thread::hardware_concurrency();
   return hw ? static_cast<int>(hw) : 1;

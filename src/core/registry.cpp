@@ -6,22 +6,9 @@
 #include <mutex>
 #include <sstream>
 
-namespace gla {
+#include "core/environment.hpp"
 
-namespace {
-std::vector<std::string> split_list(const char* text) {
-  std::vector<std::string> items;
-  if (!text) return items;
-  std::stringstream stream(text);
-  std::string item;
-  while (std::getline(stream, item, ',')) {
-    item.erase(0, item.find_first_not_of(" \t"));
-    item.erase(item.find_last_not_of(" \t") + 1);
-    if (!item.empty()) items.push_back(item);
-  }
-  return items;
-}
-}  // namespace
+namespace gla {
 
 Registry::Registry() = default;
 
@@ -75,6 +62,7 @@ void Registry::add(std::unique_ptr<Backend> backend) {
   } else {
     entries_.push_back(std::move(entry));
   }
+  snapshot_.reset();
   std::stable_sort(entries_.begin(), entries_.end(), [](const RegistryEntry& a, const RegistryEntry& b) {
     if (a.backend->priority() != b.backend->priority()) return a.backend->priority() < b.backend->priority();
     return a.backend->name() < b.backend->name();
@@ -87,6 +75,7 @@ bool Registry::remove(const std::string& name) {
                          [&](const RegistryEntry& e) { return e.backend->name() == name; });
   if (it == entries_.end()) return false;
   entries_.erase(it);
+  snapshot_.reset();
   return true;
 }
 
@@ -95,28 +84,33 @@ bool Registry::set_enabled(const std::string& name, bool enabled) {
   for (auto& e : entries_) {
     if (e.backend->name() == name) {
       e.api_enabled = enabled;
+      snapshot_.reset();
       return true;
     }
   }
   return false;
 }
 
-std::vector<RegistryEntry> Registry::snapshot() const {
-  const auto disabled = split_list(std::getenv("GLA_DISABLE"));
-  std::vector<RegistryEntry> out;
+Registry::Snapshot Registry::snapshot() const {
+  const Environment* env = &environment();
   {
     std::shared_lock lock(mutex_);
-    out = entries_;
+    if (snapshot_ && snapshot_env_ == env) return snapshot_;
   }
-  for (auto& e : out) {
+  std::unique_lock lock(mutex_);
+  if (snapshot_ && snapshot_env_ == env) return snapshot_;
+  auto out = std::make_shared<std::vector<RegistryEntry>>(entries_);
+  for (auto& e : *out) {
     e.enabled = e.api_enabled;
     e.disabled_by = e.api_enabled ? "" : "gla_backend_set_enabled";
-    if (std::find(disabled.begin(), disabled.end(), e.backend->name()) != disabled.end()) {
+    if (std::find(env->disabled.begin(), env->disabled.end(), e.backend->name()) != env->disabled.end()) {
       e.enabled = false;
       e.disabled_by = "GLA_DISABLE";
     }
   }
-  return out;
+  snapshot_ = std::move(out);
+  snapshot_env_ = env;
+  return snapshot_;
 }
 
 std::vector<std::string> Registry::names() const {

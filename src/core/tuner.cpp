@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/environment.hpp"
 #include "core/tensor.hpp"
 
 namespace gla {
@@ -65,11 +66,8 @@ Tuner& Tuner::instance() {
 Tuner::Tuner() = default;
 
 namespace {
-// The file named now by GLA_TUNE_FILE ("" = none).
-std::string tune_path() {
-  const char* env = std::getenv("GLA_TUNE_FILE");
-  return env ? env : "";
-}
+// The file named by GLA_TUNE_FILE ("" = none).
+std::string tune_path() { return environment().tune_file; }
 }  // namespace
 
 // Called with mutex_ held: when GLA_TUNE_FILE names another file than the records came from, they

@@ -391,15 +391,19 @@ int overlapping_dim(const gla_tensor& t) {
     int64_t size, stride;
     int index;
   };
-  std::vector<Dim> dims;
+  Dim dims[GLA_MAX_RANK];  // fixed storage and an insertion sort: no allocation per call
+  int count = 0;
   for (int i = 0; i < t.rank; ++i) {
-    if (t.sizes[i] > 1) dims.push_back({t.sizes[i], t.strides[i], i});
+    if (t.sizes[i] <= 1) continue;
+    const Dim d{t.sizes[i], t.strides[i], i};
+    int j = count++;
+    for (; j > 0 && dims[j - 1].stride > d.stride; --j) dims[j] = dims[j - 1];  // stable: equal strides keep order
+    dims[j] = d;
   }
-  std::stable_sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
   int64_t reach = 0;  // largest offset of the dims so far (bounded by the descriptor's checked extent)
-  for (const Dim& d : dims) {
-    if (d.stride <= reach) return d.index;
-    reach += (d.size - 1) * d.stride;
+  for (int i = 0; i < count; ++i) {
+    if (dims[i].stride <= reach) return dims[i].index;
+    reach += (dims[i].size - 1) * dims[i].stride;
   }
   return -1;
 }
@@ -414,7 +418,8 @@ struct Region {
 // once from its own work item: an output that overlaps itself, another output or an input gives
 // garbage, so every such call is rejected. Inputs may share memory with each other (q and k the
 // same tensor is fine). Memory is compared only where both descriptors have data and elements.
-void check_outputs_disjoint(const std::vector<Region>& regions) {
+template <size_t n>
+void check_outputs_disjoint(const Region (&regions)[n]) {
   for (const Region& r : regions) {
     if (!r.output || !present(*r.t) || numel(*r.t) == 0) continue;
     const int dim = overlapping_dim(*r.t);
@@ -424,20 +429,27 @@ void check_outputs_disjoint(const std::vector<Region>& regions) {
               " revisits memory of the dims with smaller strides)");
     }
   }
-  auto span = [](const gla_tensor& t, uintptr_t& lo, uintptr_t& hi) {
-    if (t.data == nullptr || numel(t) == 0) return false;
-    lo = reinterpret_cast<uintptr_t>(t.data);
-    hi = lo + static_cast<uintptr_t>(*checked_extent_bytes(t, dtype_size(t.dtype)));
-    return true;
+  // Byte ranges, each computed once (hi == 0: no data or no elements).
+  struct Span {
+    uintptr_t lo = 0, hi = 0;
   };
-  for (size_t i = 0; i < regions.size(); ++i) {
+  Span spans[n];
+  for (size_t i = 0; i < n; ++i) {
+    const gla_tensor& t = *regions[i].t;
+    if (t.data == nullptr || numel(t) == 0) continue;
+    if (const auto extent = checked_extent_bytes(t, dtype_size(t.dtype))) {
+      spans[i].lo = reinterpret_cast<uintptr_t>(t.data);
+      spans[i].hi = spans[i].lo + static_cast<uintptr_t>(*extent);
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
     const Region& a = regions[i];
-    uintptr_t alo, ahi;
-    if (!a.output || !span(*a.t, alo, ahi)) continue;
-    for (size_t j = 0; j < regions.size(); ++j) {
+    const uintptr_t alo = spans[i].lo, ahi = spans[i].hi;
+    if (!a.output || ahi == 0) continue;
+    for (size_t j = 0; j < n; ++j) {
       const Region& b = regions[j];
-      uintptr_t blo, bhi;
-      if (j == i || (b.output && j < i) || !span(*b.t, blo, bhi)) continue;
+      const uintptr_t blo = spans[j].lo, bhi = spans[j].hi;
+      if (j == i || (b.output && j < i) || bhi == 0) continue;
       if (a.t->device_type != b.t->device_type || a.t->device_index != b.t->device_index) continue;
       if (alo < bhi && blo < ahi) {
         invalid(std::string(a.name) + ": expected output memory disjoint from " + (b.output ? "output " : "input ") +
@@ -504,6 +516,10 @@ gla_options read_options(const gla_options* options) {
     invalid("options.policy: expected 0..3 (gla_policy), got " + std::to_string(out.policy));
   }
   return out;
+}
+
+void check_allocator(const gla_allocator* allocator) {
+  if (allocator && !allocator->allocate) invalid("allocator.allocate: expected a function, got NULL");
 }
 
 void load_sequence_offsets(PreparedProblem& prepared, const void* host_values) {

@@ -41,6 +41,9 @@ struct PreparedProblem {
 // Reads the options struct (NULL = defaults), checking its size field.
 gla_options read_options(const gla_options* options);
 
+// A caller's allocator (gla_chunk_*_with_allocator): NULL, or one with a function.
+void check_allocator(const gla_allocator* allocator);
+
 // metadata_only: for explain(); output tensors may be absent and data pointers are not required.
 // chunk_states (optional): the saved chunk-start states of gla_chunk_forward_saving_states /
 // gla_chunk_backward_from_states, validated and put in problem.h of the whole operation.

@@ -20,29 +20,6 @@ using namespace gla::test;
 
 namespace {
 
-// Environment variable set for one scope (tests run serially in one process).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      had_ = true;
-      old_ = old;
-    }
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_.c_str(), old_.c_str(), 1);
-    } else {
-      unsetenv(name_.c_str());
-    }
-  }
-
- private:
-  std::string name_, old_;
-  bool had_ = false;
-};
-
 bool cpu_available() { return backend_available("cpu"); }
 
 Case make_case(int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, double n, int32_t dtype, uint64_t seed) {

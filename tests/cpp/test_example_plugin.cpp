@@ -24,7 +24,7 @@ class ExamplePlugin : public ::testing::Test {
   }
   void TearDown() override {
     if (plugin_path()) gla_unregister_backend("example_stage");
-    unsetenv("GLA_LOG");
+    set_env("GLA_LOG", nullptr);
   }
   static std::string explain(const Inputs& in, const char* backend = nullptr) {
     Outputs out;
@@ -55,13 +55,13 @@ TEST_F(ExamplePlugin, RunsItsStageMixedWithBuiltInBackendsInOneCall) {
   EXPECT_NE(text.find("decision: stage pipeline: cumsum->example_stage fwd_h->" + h + " fwd_intra->" + h + " fwd_o->" + h),
             std::string::npos)
       << text;
-  setenv("GLA_LOG", "dispatch", 1);
+  set_env("GLA_LOG", "dispatch");
   Outputs got, want;
   ::testing::internal::CaptureStderr();
   ASSERT_EQ(run_forward(in, got), GLA_STATUS_OK) << gla_last_error();
   ASSERT_EQ(run_backward(in, got), GLA_STATUS_OK) << gla_last_error();
   const std::string log = ::testing::internal::GetCapturedStderr();
-  unsetenv("GLA_LOG");
+  set_env("GLA_LOG", nullptr);
   EXPECT_NE(log.find("decision: stage pipeline: cumsum->example_stage fwd_h->" + h), std::string::npos) << log;
   EXPECT_NE(log.find("chunk_bwd"), std::string::npos) << log;
   ASSERT_EQ(run_forward(in, want, {"reference"}), GLA_STATUS_OK);

@@ -121,7 +121,7 @@ class Fastest : public ::testing::Test {
  protected:
   void TearDown() override {
     for (auto& b : made_) gla_unregister_backend(b->name.c_str());
-    unsetenv("GLA_TUNE_FILE");
+    set_env("GLA_TUNE_FILE", nullptr);
   }
   Costed& backend(const std::string& name, int cost_ms, int32_t priority, bool simulated_clock = false) {
     made_.push_back(std::make_unique<Costed>());
@@ -197,7 +197,7 @@ std::string read_file(const std::string& path) {
 TEST_F(Fastest, TuneFileRoundTrip) {
   const std::string path = ::testing::TempDir() + "gla_tune_roundtrip.txt";
   std::remove(path.c_str());
-  setenv("GLA_TUNE_FILE", path.c_str(), 1);
+  set_env("GLA_TUNE_FILE", path.c_str());
   Costed& slow = backend("rt_slow", 10, 1);
   Costed& fast = backend("rt_fast", 1, 2);
   ExtCall call(24);
@@ -210,10 +210,10 @@ TEST_F(Fastest, TuneFileRoundTrip) {
   // Another file (none yet): its records replace the process's, so nothing is known.
   const std::string other = ::testing::TempDir() + "gla_tune_other.txt";
   std::remove(other.c_str());
-  setenv("GLA_TUNE_FILE", other.c_str(), 1);
+  set_env("GLA_TUNE_FILE", other.c_str());
   EXPECT_NE(call.explain().find("not measured yet"), std::string::npos) << call.explain();
   // Back to the first: read from the file, served without measuring.
-  setenv("GLA_TUNE_FILE", path.c_str(), 1);
+  set_env("GLA_TUNE_FILE", path.c_str());
   EXPECT_NE(call.explain().find("read from GLA_TUNE_FILE"), std::string::npos) << call.explain();
   ASSERT_EQ(call.run(), GLA_STATUS_OK) << gla_last_error();
   EXPECT_EQ(slow.runs, kMeasureRuns);
@@ -241,7 +241,7 @@ TEST_F(Fastest, CorruptOrStaleFileIsIgnoredWithAWarning) {
     }
     // A different K per case: a new signature, so each case measures.
     ExtCall call(32 + 8 * i);
-    setenv("GLA_TUNE_FILE", path.c_str(), 1);
+    set_env("GLA_TUNE_FILE", path.c_str());
     ::testing::internal::CaptureStderr();
     const gla_status s = call.run();
     const std::string err = ::testing::internal::GetCapturedStderr();

@@ -114,8 +114,8 @@ class Registry : public ::testing::Test {
   }
   void TearDown() override {
     for (const char* name : {"picky", "stage_cumsum", "failing", "absent"}) gla_unregister_backend(name);
-    unsetenv("GLA_DISABLE");
-    unsetenv("GLA_LOG");
+    set_env("GLA_DISABLE", nullptr);
+    set_env("GLA_LOG", nullptr);
   }
   static Inputs inputs(int64_t K) {
     Case c;
@@ -199,11 +199,11 @@ TEST_F(Registry, ForcedBackendThatDeclinesIsAnErrorWithItsReason) {
 TEST_F(Registry, ForcedThroughEnvironment) {
   auto d = describe("picky", 500, 1ull << GLA_UNIT_CHUNK_FWD, picky_run);
   ASSERT_EQ(gla_register_backend(&d), GLA_STATUS_OK);
-  setenv("GLA_BACKEND", "picky", 1);
+  set_env("GLA_BACKEND", "picky");
   Inputs in = inputs(8);
   Outputs out;
   const gla_status s = run_forward(in, out);
-  unsetenv("GLA_BACKEND");
+  set_env("GLA_BACKEND", nullptr);
   ASSERT_EQ(s, GLA_STATUS_OK) << gla_last_error();
   EXPECT_TRUE(ran("picky:chunk_fwd"));
 }
@@ -213,11 +213,11 @@ TEST_F(Registry, DisabledByEnvironmentAndByApi) {
   ASSERT_EQ(gla_register_backend(&d), GLA_STATUS_OK);
   Inputs in = inputs(16);
   Outputs out;
-  setenv("GLA_DISABLE", "picky,other", 1);
+  set_env("GLA_DISABLE", "picky,other");
   ASSERT_EQ(run_forward(in, out), GLA_STATUS_OK);
   EXPECT_FALSE(ran("picky:chunk_fwd"));
   EXPECT_NE(explain_forward(in).find("disabled by GLA_DISABLE"), std::string::npos);
-  unsetenv("GLA_DISABLE");
+  set_env("GLA_DISABLE", nullptr);
   ASSERT_EQ(gla_backend_set_enabled("picky", 0), GLA_STATUS_OK);
   ASSERT_EQ(run_forward(in, out), GLA_STATUS_OK);
   EXPECT_FALSE(ran("picky:chunk_fwd"));
@@ -226,6 +226,32 @@ TEST_F(Registry, DisabledByEnvironmentAndByApi) {
   ASSERT_EQ(run_forward(in, out), GLA_STATUS_OK);
   EXPECT_TRUE(ran("picky:chunk_fwd"));
   EXPECT_EQ(gla_backend_set_enabled("nobody", 0), GLA_STATUS_INVALID_ARGUMENT);
+}
+
+// libgla reads its environment once: a variable changed afterwards applies from the next
+// gla_reload_environment() on, and an unchanged environment re-read changes nothing.
+TEST_F(Registry, EnvironmentIsReadOnceUntilReloaded) {
+  auto d = describe("picky", 1, 1ull << GLA_UNIT_CHUNK_FWD, picky_run);
+  ASSERT_EQ(gla_register_backend(&d), GLA_STATUS_OK);
+  Inputs in = inputs(16);
+  Outputs out;
+  ASSERT_EQ(gla_reload_environment(), GLA_STATUS_OK);
+  setenv("GLA_DISABLE", "picky", 1);
+  ASSERT_EQ(run_forward(in, out), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_TRUE(ran("picky:chunk_fwd"));  // not re-read yet
+  ASSERT_EQ(gla_reload_environment(), GLA_STATUS_OK);
+  {
+    std::lock_guard lock(g_log_mutex);
+    g_calls.clear();
+  }
+  ASSERT_EQ(run_forward(in, out), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_FALSE(ran("picky:chunk_fwd"));
+  EXPECT_NE(explain_forward(in).find("disabled by GLA_DISABLE"), std::string::npos);
+  ASSERT_EQ(gla_reload_environment(), GLA_STATUS_OK);  // unchanged: still disabled
+  EXPECT_NE(explain_forward(in).find("disabled by GLA_DISABLE"), std::string::npos);
+  set_env("GLA_DISABLE", nullptr);
+  ASSERT_EQ(run_forward(in, out), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_TRUE(ran("picky:chunk_fwd"));
 }
 
 TEST_F(Registry, UnavailableBackendIsSkippedWithItsReason) {
@@ -310,7 +336,7 @@ TEST_F(Registry, ExplainListsEveryBackendAndUnit) {
 }
 
 TEST_F(Registry, DispatchLogOncePerSignature) {
-  setenv("GLA_LOG", "dispatch", 1);
+  set_env("GLA_LOG", "dispatch");
   Case c;
   c.B = 1; c.T = 33; c.H = 1; c.K = 12; c.V = 5;  // a signature no other test uses
   Inputs in = make_inputs(c);

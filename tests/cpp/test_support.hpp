@@ -109,4 +109,21 @@ gla_status forward_on(const gla_problem& problem, const char* backend, char* mes
 // stdout and stderr of a shell command (fresh processes: GLA_PLUGINS, the CLI).
 std::string run_command(const std::string& command);
 
+// Sets an environment variable (value NULL: unsets it) and has libgla read its environment again
+// (gla_reload_environment: libgla reads it once otherwise).
+void set_env(const char* name, const char* value);
+
+// An environment variable set (set_env) for one scope, restored after (tests run serially).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value);
+  ~ScopedEnv();
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
 }  // namespace gla::test

@@ -3,6 +3,8 @@ and registers the `cuda` marker (GPU tests: `pytest tests/python -m cuda`)."""
 import os
 import sys
 
+import pytest
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 try:
@@ -10,6 +12,16 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _gla_environment():
+    """libgla reads its environment variables once (gla.reload_environment re-reads them): after each
+    test, once monkeypatch has restored what the test changed, it reads them again."""
+    yield
+    gla_module = sys.modules.get("gla")
+    if gla_module is not None and gla_module._ops._loaded:
+        gla_module.reload_environment()
 
 
 def pytest_configure(config):

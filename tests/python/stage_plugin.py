@@ -5,6 +5,7 @@ import ctypes
 
 import torch
 
+import gla
 from gla import _lib, _tensors, _torch_stages
 
 
@@ -69,4 +70,5 @@ def record_torch_stages(monkeypatch) -> list:
     patched = {u: (lambda s, _f=f: (ran.append(_f.__name__), _f(s))[1]) for u, f in _torch_stages.RUN.items()}
     monkeypatch.setattr(_torch_stages, "RUN", patched)
     monkeypatch.setenv("GLA_LOG", "dispatch")
+    gla.reload_environment()  # conftest.py re-reads it after the test, once monkeypatch restored it
     return ran

@@ -60,6 +60,7 @@ CASES = {
                lambda: gla.chunk_gla(q[..., :0], k[..., :0], v, g[..., :0])),
     "V-zero": (ValueError, r"^v: expected V \(dim 3\) > 0", lambda: gla.chunk_gla(q, k, v[..., :0], g)),
     "not-a-tensor": (TypeError, r"^q: expected a torch.Tensor", lambda: gla.chunk_gla(q.numpy(), k, v, g)),
+    "g-none": (TypeError, r"^g: expected a torch.Tensor, got NoneType", lambda: gla.chunk_gla(q, k, v, None)),
     "unknown-keyword": (TypeError, r"unexpected keyword", lambda: gla.chunk_gla(q, k, v, g, head_first=True)),
     "bad-policy": (ValueError, r"^policy: expected one of", lambda: gla.policy("bogus").__enter__()),
     "enable-unknown": (ValueError, r"no backend named 'nope'", lambda: gla.set_backend_enabled("nope", False)),

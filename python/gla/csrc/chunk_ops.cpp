@@ -52,7 +52,7 @@ std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std
                                     describe("final_state", final, dfinal)};
   gla_options options = make_options(scale, state_v_first, backend, policy, q);
   options.check_inputs = check_inputs ? 1 : 0;
-  run(gla_chunk_forward_workspace_size, gla_chunk_forward, args, options, q);
+  run(gla_chunk_forward_with_allocator, args, options, q);
   return {o, final.has_value() ? *final : empty_state(q)};
 }
 
@@ -87,7 +87,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
                                      describe("dh0", dh0, tdh0)};
   gla_options options = make_options(scale, state_v_first, backend, policy, q);
   options.check_inputs = check_inputs ? 1 : 0;
-  run(gla_chunk_backward_workspace_size, gla_chunk_backward, args, options, q);
+  run(gla_chunk_backward_with_allocator, args, options, q);
   return {dq, dk, dv, dg, dh0.has_value() ? *dh0 : empty_state(q)};
 }
 

@@ -202,13 +202,21 @@ gla_options make_options(double scale, bool state_v_first, const std::string& ba
   return o;
 }
 
-std::optional<Tensor> attach_workspace(size_t bytes, const Tensor& like, gla_options& options) {
-  if (bytes == 0) return std::nullopt;
-  const int64_t size = static_cast<int64_t>(bytes);
-  Tensor workspace = empty(&size, 1, aoti_torch_dtype_uint8(), like);
-  shim(aoti_torch_get_data_ptr(workspace.get(), &options.workspace), "get_data_ptr");
-  options.workspace_bytes = bytes;
-  return workspace;
+gla_allocator Workspace::allocator() {
+  return {[](void* context, size_t bytes) -> void* {
+            auto& self = *static_cast<Workspace*>(context);
+            try {
+              const int64_t size = static_cast<int64_t>(bytes);
+              self.tensor = empty(&size, 1, aoti_torch_dtype_uint8(), self.like);
+              void* data = nullptr;
+              shim(aoti_torch_get_data_ptr(self.tensor->get(), &data), "get_data_ptr");
+              return data;
+            } catch (const std::exception& e) {  // never through libgla's C frames
+              self.error = e.what();
+              return nullptr;
+            }
+          },
+          this};
 }
 
 }  // namespace gla_torch

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "gla/gla.h"
@@ -53,20 +54,28 @@ gla_options make_options(double scale, bool state_v_first, const std::string& ba
 void check(gla_status status);
 [[noreturn]] void fail(const char* python_class, const std::string& message);
 
-// Allocates the workspace `bytes` long on like's device when nonzero and points options at it; the
-// returned tensor owns it and must outlive the call.
-std::optional<Tensor> attach_workspace(size_t bytes, const Tensor& like, gla_options& options);
+// The scratch memory of one libgla call, from PyTorch's allocator on like's device when libgla asks
+// for it (gla_allocator); the tensor owns it until the call is over. A failed allocation's own
+// error is kept in `error` (libgla sees NULL) and rethrown by run.
+struct Workspace {
+  const Tensor& like;
+  std::optional<Tensor> tensor;
+  std::string error;
+  gla_allocator allocator();
+};
 
-// One libgla operation: asks its workspace size, allocates the workspace with PyTorch on like's
-// device, runs it; throws (check) on failure. Every operator kernel ends with this.
+// One libgla operation through its *_with_allocator entry point: validated and planned once, the
+// workspace allocated by PyTorch; throws (check) on failure. The chunked operators' kernels end
+// with this. (Asking gla_*_workspace_size first, then calling, validated and planned twice: ~4.7k
+// of the ~10k instructions libgla spent per call outside the kernel, callgrind.)
 template <class Args>
-void run(gla_status (*workspace_size)(const Args*, const gla_options*, size_t*),
-         gla_status (*entry)(const Args*, const gla_options*), const Args& args, gla_options& options,
-         const Tensor& like) {
-  size_t bytes = 0;
-  check(workspace_size(&args, &options, &bytes));
-  const std::optional<Tensor> workspace = attach_workspace(bytes, like, options);
-  check(entry(&args, &options));
+void run(gla_status (*entry)(const Args*, const gla_options*, const gla_allocator*), const Args& args,
+         const gla_options& options, const Tensor& like) {
+  Workspace workspace{like, std::nullopt, {}};
+  const gla_allocator allocator = workspace.allocator();
+  const gla_status status = entry(&args, &options, &allocator);
+  if (!workspace.error.empty()) throw std::runtime_error(workspace.error);
+  check(status);
 }
 
 }  // namespace gla_torch

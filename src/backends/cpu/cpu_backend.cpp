@@ -30,6 +30,8 @@
 #include "backends/cpu/recurrent.hpp"
 #include "core/backend.hpp"
 #include "core/capabilities.hpp"
+#include "core/environment.hpp"
+#include "core/parallel.hpp"
 
 namespace gla {
 namespace cpu {
@@ -59,8 +61,7 @@ bool cpu_has_avx2() {
 const KernelTable& select_kernels() {
   static const bool avx512 = cpu_has_avx512();
   static const bool avx2 = cpu_has_avx2();
-  const char* want = std::getenv("GLA_CPU_ISA");
-  const std::string w = want ? want : "";
+  [[maybe_unused]] const std::string& w = environment().cpu_isa;
 #if defined(GLA_CPU_X86_KERNELS)
   if (w == "portable") return portable::kernels();
   if (w == "avx2" && avx2) return avx2::kernels();
@@ -68,16 +69,6 @@ const KernelTable& select_kernels() {
   if (avx2) return avx2::kernels();
 #endif
   return portable::kernels();
-}
-
-// GLA_NUM_THREADS, else the hardware's concurrency.
-int thread_budget() {
-  if (const char* env = std::getenv("GLA_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw ? static_cast<int>(hw) : 1;
 }
 
 // Flush denormal results to zero while the kernels run: strong decay drives many products below
@@ -106,10 +97,7 @@ class FlushDenormals {
 
 // GLA_CPU_POISON_SCRATCH=1 fills the kernels' scratch with NaN before each call (tests use it to
 // show that no kernel reads scratch it did not write).
-bool poison_scratch() {
-  const char* env = std::getenv("GLA_CPU_POISON_SCRATCH");
-  return env && env[0] == '1';
-}
+bool poison_scratch() { return environment().poison_scratch; }
 
 // Scratch memory: 2 MiB aligned and, on Linux, marked for transparent huge pages (where the
 // system allows them on request), so a thread's tiles and the backward's chunk states sit in a few
@@ -205,7 +193,7 @@ class CpuBackend final : public Backend {
   void run(const gla_problem& p) override {
     if (p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD) return run_recurrent(p);
     const KernelTable& kernels = select_kernels();
-    const int budget = thread_budget();
+    const int budget = host_thread_count();  // GLA_NUM_THREADS, else the hardware's
     const int64_t items = kernels.item_count(p, budget);
     if (items <= 0) return;
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(budget, items));
