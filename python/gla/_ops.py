@@ -47,8 +47,8 @@ def current_policy() -> int:
 # The schemas; libgla_torch defines the same strings (gla/csrc/chunk_ops.cpp).
 SCHEMAS = {
     "chunk_fwd": "chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
-                 "Tensor? cu_seqlens_cpu, float scale, bool state_v_first, bool output_final_state, str backend, "
-                 "int policy, bool check_inputs=False) -> (Tensor, Tensor)",
+                 "Tensor? cu_seqlens_cpu, float scale, bool state_v_first=False, bool output_final_state=False, "
+                 "str backend=\"\", int policy=0, bool check_inputs=False) -> (Tensor, Tensor)",
     "chunk_bwd": "chunk_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
                  "Tensor? cu_seqlens_cpu, Tensor? do, Tensor? dht, float scale, bool state_v_first, str backend, "
                  "int policy, bool check_inputs=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -131,8 +131,8 @@ def state_shape(q, v, N, state_v_first: bool):
     return (N, H, V, K) if state_v_first else (N, H, K, V)
 
 
-def _chunk_fwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first,
-                    output_final_state, backend, policy, check_inputs=False):
+def _chunk_fwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first=False,
+                    output_final_state=False, backend="", policy=0, check_inputs=False):
     _validate.reject_meta_mixed_with_data((("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
                                            ("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)))
     torch._check(q.dim() == 4, lambda: f"q: expected shape [B, T, H, K], got {list(q.shape)}")
@@ -162,11 +162,16 @@ def _chunk_bwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, d
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
+# The schema's defaults of chunk_fwd's last five arguments (state_v_first ... check_inputs).
+_FWD_DEFAULTS = (False, False, "", 0, False)
+
+
 def _save(ctx, q, k, v, g, initial_state, rest):
     """rest: (cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state, backend, policy,
-    check_inputs); its tensors are saved as tensors (torch.compile traces them), the rest kept on ctx."""
+    check_inputs), or its first three when the others are the defaults; its tensors are saved as
+    tensors (torch.compile traces them), the rest kept on ctx."""
     ctx.save_for_backward(q, k, v, g, initial_state, rest[0], rest[1])
-    ctx.rest = rest[2:]
+    ctx.rest = rest[2:] + _FWD_DEFAULTS[len(rest) - 3:]
 
 
 def unit_stride_rows(x):
@@ -236,8 +241,11 @@ def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, stat
     """gla::chunk_fwd with autograd, by the cheapest route that keeps its semantics: the registered
     op under torch.compile and torch.func; in eager mode the op below the autograd key, inside
     _ChunkFwd when a gradient is wanted."""
-    args = (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
-            backend, policy, check_inputs)
+    if state_v_first or output_final_state or backend or policy or check_inputs:
+        args = (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
+                backend, policy, check_inputs)
+    else:  # the schema's defaults: PyTorch's binding checks each argument passed (~1.4k instructions each)
+        args = (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale)
     if _is_compiling() or _functorch_active():
         return torch.ops.gla.chunk_fwd.default(*args)
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or

@@ -1,6 +1,6 @@
 // libgla's environment variables, read once per process into an immutable snapshot: at the first
 // call that needs one, and again only by gla_reload_environment() (gla.h). Read per call they cost
-// about 11 scans of the whole environment (getenv) per gla_chunk_forward.
+// ~11 getenv scans of the whole environment per PyTorch call (4.8k instructions with 37 variables).
 #pragma once
 
 #include <string>

@@ -99,8 +99,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
 STABLE_TORCH_LIBRARY_FRAGMENT(gla, m) {
   m.def(
       "chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
-      "Tensor? cu_seqlens_cpu, float scale, bool state_v_first, bool output_final_state, str backend, "
-      "int policy, bool check_inputs=False) -> (Tensor, Tensor)");
+      "Tensor? cu_seqlens_cpu, float scale, bool state_v_first=False, bool output_final_state=False, "
+      "str backend=\"\", int policy=0, bool check_inputs=False) -> (Tensor, Tensor)");
   m.def(
       "chunk_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
       "Tensor? cu_seqlens_cpu, Tensor? do, Tensor? dht, float scale, bool state_v_first, str backend, "
