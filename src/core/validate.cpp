@@ -237,6 +237,11 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
       invalid("cu_seqlens: expected shape [N + 1] with N >= 0, got " + shape_string(cu));
     }
     if (B != 1) invalid("cu_seqlens: requires B == 1 (sequences packed along T), got B = " + std::to_string(B));
+    // Stride 0 repeats one entry: it can describe nothing but empty sequences at T = 0, and it lets
+    // 8 bytes name 2^60 offsets that would be copied and scanned before any other check.
+    if (cu.sizes[0] > 2 && cu.strides[0] == 0) {
+      invalid("cu_seqlens: expected a non-zero stride, got stride 0 with " + std::to_string(cu.sizes[0]) + " entries");
+    }
     check_same_device("cu_seqlens", cu, q);
     N = cu.sizes[0] - 1;
     p.varlen = 1;
@@ -251,6 +256,10 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
       if (hc.rank != 1 || hc.sizes[0] != cu.sizes[0] || (hc.dtype != GLA_DTYPE_I32 && hc.dtype != GLA_DTYPE_I64)) {
         invalid("cu_seqlens_host: expected an int32/int64 host copy of shape " + shape_string(cu) + ", got " +
                 std::string(dtype_name(hc.dtype)) + " " + shape_string(hc));
+      }
+      if (hc.sizes[0] > 2 && hc.strides[0] == 0) {
+        invalid("cu_seqlens_host: expected a non-zero stride, got stride 0 with " + std::to_string(hc.sizes[0]) +
+                " entries");
       }
       // Host memory is readable even for metadata-only queries (workspace sizing, explain), so
       // backends that plan from the offsets see the real ones there too.

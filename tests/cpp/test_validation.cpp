@@ -151,6 +151,16 @@ TEST(Validation, CuSeqlensNotEndingAtT) {
   c.cu.data = offsets;
   expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"cu_seqlens:", "last entry T = 20", "got 19"});
 }
+// Stride 0 names any number of offsets in one entry: 2^29 of them would be copied and scanned (4 GB)
+// before the other arguments were checked. Rejected up front, for cu_seqlens and its host copy.
+TEST(Validation, CuSeqlensWithStrideZeroRejectedBeforeItIsRead) {
+  Call c(varlen_case());
+  int64_t zero = 0;
+  c.cu = gla::make_tensor(&zero, GLA_DTYPE_I64, GLA_DEVICE_CPU, 0, {int64_t{1} << 29});
+  c.cu.strides[0] = 0;
+  expect_rejected(c, false, GLA_STATUS_INVALID_ARGUMENT, {"cu_seqlens:", "non-zero stride", "got stride 0"});
+}
+
 TEST(Validation, CuSeqlensWrongDtype) {
   Call c(varlen_case());
   c.cu.dtype = GLA_DTYPE_F32;
