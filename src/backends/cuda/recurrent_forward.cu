@@ -27,7 +27,7 @@ __device__ __forceinline__ float& at(float4& x, int c) { return reinterpret_cast
 // its speed is the bytes in flight, i.e. resident CTAs. Unbounded, ptxas took 128 registers at
 // KT = 128 (4 CTAs per SM) and 178-246 at KT = 256 (2); these bounds give 80 at KT = 128 (6 CTAs,
 // 20 bytes spilled in the V-first layout), 64 at KT = 64 (8) and 152-162 at KT = 256 (3). H200 pool
-// update, graph replay: 0.205 -> 0.177 ms at B256 H16 K=V=128, 0.131 -> 0.112 ms at B64 H4 K256 V512.
+// update, graph replay: 0.205 -> 0.177 ms at B256 H16 K=V=128, 0.130 -> 0.112 ms at B64 H4 K256 V512.
 template <int KT>
 constexpr int kMinBlocksPerSm = KT <= 64 ? 8 : (KT <= 128 ? 6 : 3);
 
