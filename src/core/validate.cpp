@@ -599,24 +599,38 @@ void compute_chunk_offsets(PreparedProblem& prepared, int64_t chunk_size) {
   prepared.bind();
 }
 
-PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_options& options, bool metadata_only,
-                                const gla_tensor* chunk_states) {
+namespace {
+
+// The chunked operator's inputs, shared by its forward and backward argument structs.
+template <typename Args>
+PreparedProblem prepare_chunk_inputs(const Args* args, const gla_options& options, bool metadata_only, int32_t unit) {
   if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
   PreparedProblem out;
   prepare_common(out, {args->q, args->k, args->v, args->g, args->initial_state, args->cu_seqlens, args->cu_seqlens_host},
                  options, metadata_only);
+  out.problem.unit = unit;
+  out.problem.backward = unit == GLA_UNIT_CHUNK_BWD;
+  return out;
+}
+
+void set_chunk_states(PreparedProblem& out, const gla_tensor* chunk_states, bool metadata_only) {
+  if (!chunk_states) return;
+  check_chunk_states(*chunk_states, out, metadata_only);
+  out.problem.h = *chunk_states;
+}
+
+}  // namespace
+
+PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_options& options, bool metadata_only,
+                                const gla_tensor* chunk_states) {
+  PreparedProblem out = prepare_chunk_inputs(args, options, metadata_only, GLA_UNIT_CHUNK_FWD);
   gla_problem& p = out.problem;
-  p.unit = GLA_UNIT_CHUNK_FWD;
-  p.backward = 0;
   set_output(p, args->o, metadata_only);
   if (args->final_state) {
     check_state_like("final_state", *args->final_state, p, metadata_only);
     p.final_state = *args->final_state;
   }
-  if (chunk_states) {
-    check_chunk_states(*chunk_states, out, metadata_only);
-    p.h = *chunk_states;
-  }
+  set_chunk_states(out, chunk_states, metadata_only);
   check_outputs_disjoint({{"o", &p.o, true}, {"final_state", &p.final_state, true}, {"chunk_states", &p.h, true},
                           {"q", &p.q, false}, {"k", &p.k, false}, {"v", &p.v, false}, {"g", &p.g, false},
                           {"initial_state", &p.initial_state, false}, {"cu_seqlens", &p.cu_seqlens, false}});
@@ -626,13 +640,8 @@ PreparedProblem prepare_forward(const gla_chunk_forward_args* args, const gla_op
 
 PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_options& options, bool metadata_only,
                                  const gla_tensor* chunk_states) {
-  if (args == nullptr) invalid("args: required argument struct is missing (got NULL)");
-  PreparedProblem out;
-  prepare_common(out, {args->q, args->k, args->v, args->g, args->initial_state, args->cu_seqlens, args->cu_seqlens_host},
-                 options, metadata_only);
+  PreparedProblem out = prepare_chunk_inputs(args, options, metadata_only, GLA_UNIT_CHUNK_BWD);
   gla_problem& p = out.problem;
-  p.unit = GLA_UNIT_CHUNK_BWD;
-  p.backward = 1;
   set_backward_tensors(p, args->do_, args->dht, args->dq, args->dk, args->dv, metadata_only);
   if (args->dg) {
     const gla_tensor& dg = *args->dg;
@@ -654,10 +663,7 @@ PreparedProblem prepare_backward(const gla_chunk_backward_args* args, const gla_
   if (!metadata_only && !args->dq && !args->dk && !args->dv && !args->dg && !args->dh0) {
     invalid("backward: expected at least one gradient output, got none (dq, dk, dv, dg and dh0 are all NULL)");
   }
-  if (chunk_states) {
-    check_chunk_states(*chunk_states, out, metadata_only);
-    p.h = *chunk_states;
-  }
+  set_chunk_states(out, chunk_states, metadata_only);
   check_outputs_disjoint({{"dq", &p.dq, true}, {"dk", &p.dk, true}, {"dv", &p.dv, true}, {"dg", &p.dg, true},
                           {"dh0", &p.dh0, true}, {"q", &p.q, false}, {"k", &p.k, false}, {"v", &p.v, false},
                           {"g", &p.g, false}, {"initial_state", &p.initial_state, false},
