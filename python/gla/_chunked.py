@@ -61,9 +61,9 @@ RCP_LN2 = 1.0 / math.log(2.0)  # gcum (a stage buffer) is in log2 units
 CHUNK = 64  # fla's chunk size, and the stage pipeline's
 # One block's working set (its chunks' inputs in chunk layout, temporaries, gradients), by
 # _row_bytes's count of its scratch buffers: on accelerators up to 1 GiB (few, large kernels); on
-# the CPU 32 MiB a worker (B1 T4096 H16 K=V=128, 2 workers of 8 heads: 8 chunks a forward block,
-# 3 a backward block; 1-chunk backward blocks, the op overhead of ~150 ops a block then
-# dominating, took 7% more CPU time, 1-chunk forward blocks 17% more).
+# the CPU 32 MiB a worker (B1 T4096 H16 K=V=128, 2 workers of 8 heads: 12 chunks a forward block,
+# 5 a backward block; 1-chunk blocks, the ~10 us dispatch of each of ~60 (forward) and ~150
+# (backward) ops a block then weighing, took 7-17% more CPU time; 16 and 64 MiB no less).
 BLOCK_BYTES = 1 << 30
 CPU_BLOCK_BYTES = 32 << 20
 # A CPU thread keeps its scratch buffers (_scratch.py) between calls up to this size.
@@ -386,11 +386,6 @@ def decays(gl: torch.Tensor, ws: Optional[Scratch] = None, name: str = "decays",
         return Decays(None, part[..., :C, :], part[..., C, :])
     both = span_sums("decay", gl, C, ws.take(name, (*gl.shape[:-2], 2 * C, gl.shape[-1]))).exp_()
     return Decays(both[..., :C, :], both[..., C:, :], both[..., C - 1, :])
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """[chunks, H, R, D] -> [chunks * H, R, D] (a view), for baddbmm."""
-    return x.flatten(0, -3)
 
 
 def _levels(C: int) -> List[int]:
