@@ -61,13 +61,15 @@ RCP_LN2 = 1.0 / math.log(2.0)  # gcum (a stage buffer) is in log2 units
 CHUNK = 64  # fla's chunk size, and the stage pipeline's
 # One block's working set (its chunks' inputs in chunk layout, temporaries, gradients), by
 # _row_bytes's count of its scratch buffers: on accelerators up to 1 GiB (few, large kernels); on
-# the CPU 32 MiB a worker (B1 T4096 H16 K=V=128, 2 workers of 8 heads: 12 chunks a forward block,
-# 5 a backward block; 1-chunk blocks, the ~10 us dispatch of each of ~60 (forward) and ~150
-# (backward) ops a block then weighing, took 7-17% more CPU time; 16 and 64 MiB no less).
+# the CPU 64 MiB a worker (B1 T4096 H16 K=V=128, 2 workers of 8 heads: 25 chunks a forward block,
+# 10 a backward block): each of a block's ~60 (forward) or ~150 (backward) ops costs ~10 us of
+# dispatch whatever its size, and a block's tensors exceed the 2 MiB L2 at any useful size
+# (1-chunk blocks: +7-17% CPU time; 32 MiB: +5% forward, +8% backward; 16 MiB: +9% backward).
 BLOCK_BYTES = 1 << 30
-CPU_BLOCK_BYTES = 32 << 20
-# A CPU thread keeps its scratch buffers (_scratch.py) between calls up to this size.
-SCRATCH_KEPT_BYTES = 64 << 20
+CPU_BLOCK_BYTES = 64 << 20
+# A CPU thread keeps its scratch buffers (_scratch.py) between calls up to this size (the forward's
+# and the backward's blocks together: ~100 MiB a worker at 64 MiB blocks).
+SCRATCH_KEPT_BYTES = 128 << 20
 
 
 def gate_floor(dtype: torch.dtype) -> float:
