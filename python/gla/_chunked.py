@@ -14,11 +14,13 @@ the chunk-local math below works on any leading dims.
 Blocks. The whole operations walk consecutive scan steps in blocks (Layout.step_blocks): a block's
 chunks are gathered from the caller's [B, T, H, D] tensors (Layout.load), all its chunk-local work
 runs as batched ops over the block, the scan steps of the block update the running state (three
-ops a step), and its results go straight into the caller's outputs (Layout.store). On accelerators
-a block is as large as BLOCK_BYTES allows (few, large kernels); on the CPU it is cache-sized and the
-heads are split over single-threaded worker threads (_by_heads). The forward keeps no per-chunk
-state; the backward keeps the chunk-start states h [chunks, H, K, V] (the one full-size
-intermediate, 2x q at C = 64, K = V = 128) and per block the gradient states of its chunks.
+ops a step), and its results go straight into the caller's outputs (Layout.store). A block's
+temporaries are named scratch buffers (_scratch.py) that every block of the call reuses. On
+accelerators a block is as large as BLOCK_BYTES allows (few, large kernels); on the CPU it is
+CPU_BLOCK_BYTES and the heads are split over single-threaded worker threads (_by_heads). The
+forward keeps no per-chunk state; the backward keeps the chunk-start states h [chunks, H, K, V]
+(the one full-size intermediate, 2x q at C = 64, K = V = 128) and per block the gradient states
+of its chunks.
 
 Numerics (SPEC.md §3):
 - everything accumulates in fp32 (fp64 when the inputs are fp64, for gradcheck);
@@ -47,7 +49,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,13 +61,15 @@ RCP_LN2 = 1.0 / math.log(2.0)  # gcum (a stage buffer) is in log2 units
 CHUNK = 64  # fla's chunk size, and the stage pipeline's
 # One block's working set (its chunks' inputs in chunk layout, temporaries, gradients), by
 # _row_bytes's count of its scratch buffers: on accelerators up to 1 GiB (few, large kernels); on
-# the CPU 32 MiB a worker (B1 T4096 H16 K=V=128, 2 workers of 8 heads: 8 chunks a forward block,
-# 3 a backward block; 1-chunk backward blocks, the op overhead of ~150 ops a block then
-# dominating, took 7% more CPU time, 1-chunk forward blocks 17% more).
+# the CPU 64 MiB a worker (B1 T4096 H16 K=V=128, 2 workers of 8 heads: 25 chunks a forward block,
+# 10 a backward block): each of a block's ~60 (forward) or ~150 (backward) ops costs ~10 us of
+# dispatch whatever its size, and a block's tensors exceed the 2 MiB L2 at any useful size
+# (1-chunk blocks: +7-17% CPU time; 32 MiB: +5% forward, +8% backward; 16 MiB: +9% backward).
 BLOCK_BYTES = 1 << 30
-CPU_BLOCK_BYTES = 32 << 20
-# A CPU thread keeps its scratch buffers (_scratch.py) between calls up to this size.
-SCRATCH_KEPT_BYTES = 64 << 20
+CPU_BLOCK_BYTES = 64 << 20
+# A CPU thread keeps its scratch buffers (_scratch.py) between calls up to this size (the forward's
+# and the backward's blocks together: ~100 MiB a worker at 64 MiB blocks).
+SCRATCH_KEPT_BYTES = 128 << 20
 
 
 def gate_floor(dtype: torch.dtype) -> float:
@@ -321,6 +325,8 @@ def _constant(kind: str, w: int, dtype: torch.dtype, device: torch.device) -> to
         m = torch.where(i < h, (j > i) & (j <= h), (j > h) & (j <= i))
     elif kind == "decay":  # [2w, w]: rows t: the span [0, t]; rows w + s: the span (s, w - 1]
         m = torch.cat([j <= i, j > i])
+    elif kind == "decay_to_end":  # [w + 1, w]: rows s: the span (s, w - 1]; row w: the whole [0, w - 1]
+        m = torch.cat([j > i, torch.ones(1, w, dtype=torch.bool)])
     elif kind == "from":  # sum over rows >= u
         m = j >= i
     elif kind == "before":  # sum over rows < u
@@ -367,22 +373,21 @@ def _precision_reduced() -> bool:
 @dataclass
 class Decays:
     """Per-chunk decay factors from the clamped gate gl [..., C, K] (b: its chunk-local cumsum)."""
-    from_start: torch.Tensor  # e^(b_t): decay from the chunk start to t (inclusive)
+    from_start: Optional[torch.Tensor]  # e^(b_t): decay from the chunk start to t (inclusive)
     to_end: torch.Tensor      # e^(b_last - b_s): decay from s (exclusive) to the chunk's last row
     whole: torch.Tensor       # e^(b_last) [..., K]
 
 
-def decays(gl: torch.Tensor, ws: Optional[Scratch] = None, name: str = "decays") -> Decays:
+def decays(gl: torch.Tensor, ws: Optional[Scratch] = None, name: str = "decays", from_start: bool = True) -> Decays:
+    """The decays of the clamped gate; without from_start only to_end and whole (Decays.from_start
+    None: half the span sums and exps)."""
     C = gl.shape[-2]
     ws = ws or _scratch.fresh(gl)
+    if not from_start:
+        part = span_sums("decay_to_end", gl, C, ws.take(name, (*gl.shape[:-2], C + 1, gl.shape[-1]))).exp_()
+        return Decays(None, part[..., :C, :], part[..., C, :])
     both = span_sums("decay", gl, C, ws.take(name, (*gl.shape[:-2], 2 * C, gl.shape[-1]))).exp_()
-    from_start, to_end = both[..., :C, :], both[..., C:, :]
-    return Decays(from_start, to_end, from_start[..., -1, :])
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """[chunks, H, R, D] -> [chunks * H, R, D] (a view), for baddbmm."""
-    return x.flatten(0, -3)
+    return Decays(both[..., :C, :], both[..., C:, :], both[..., C - 1, :])
 
 
 def _levels(C: int) -> List[int]:
@@ -397,36 +402,38 @@ def _levels(C: int) -> List[int]:
 class Level:
     """The pivoted quadrants of block width w (SPEC.md §3 rule 2): in each diagonal w-block, key
     rows s of the first half and query rows t of the second, through the pivot p = the second
-    half's first row. factors [..., C/w, w, K]: e^(sum over (s, p]) in the first half, e^(sum over
-    (p, t]) in the second (every exponent <= 0); ops: k resp. q times them."""
+    half's first row. ek [..., C/w, w/2, K] = e^(sum over (s, p]) on the key rows, eq (the same
+    shape) = e^(sum over (p, t]) on the query rows (every exponent <= 0; None at w = 2, where the
+    span is empty); kop = k ek, qop = q eq."""
     w: int
-    factors: torch.Tensor
-    ops: torch.Tensor
-
-    def halves(self, x):
-        h = self.w // 2
-        return x[..., :h, :], x[..., h:, :]
+    ek: Optional[torch.Tensor]
+    eq: Optional[torch.Tensor]
+    kop: torch.Tensor
+    qop: torch.Tensor
 
 
-def levels(q, k, gl, keep_factors: bool, ws: Optional[Scratch] = None) -> List[Level]:
-    """Every level's factors and operands for the block q, k, gl [..., C, K]."""
+def levels(q, k, gl, keep_factors: bool, ws: Scratch) -> Iterator[Level]:
+    """Each level's factors (ek, eq kept only with keep_factors) and operands for the block q, k,
+    gl [..., C, K], one level at a time: a level's tensors are scratch buffers that the next level
+    overwrites (one level's working set instead of six, and each level's consumers read it while
+    it is in cache)."""
     C = gl.shape[-2]
-    ws = ws or _scratch.fresh(gl)
-    out = []
     for w in _levels(C):
         h = w // 2
-        f = ws.take(f"factors{w}", gl.shape)
-        if w == 2:  # (s, p] is row 1 alone, (p, t] is empty: no matmul of 2 x 2 blocks
-            f = f.unflatten(-2, (C // 2, 2))
-            f[..., 1, :].fill_(1)
-            torch.exp(gl[..., 1::2, :], out=f[..., 0, :])
-        else:
-            f = span_sums("pivot", gl, w, f).exp_().unflatten(-2, (C // w, w))
-        ops = ws.take(f"ops{w}", gl.shape).view(f.shape) if keep_factors else f
-        torch.mul(k.unflatten(-2, (C // w, w))[..., :h, :], f[..., :h, :], out=ops[..., :h, :])
-        torch.mul(q.unflatten(-2, (C // w, w))[..., h:, :], f[..., h:, :], out=ops[..., h:, :])
-        out.append(Level(w, f if keep_factors else None, ops))
-    return out
+        blocks = (C // w, w)
+        f = ws.take("level_factors", gl.shape).unflatten(-2, blocks)
+        ops = ws.take("level_operands", gl.shape).unflatten(-2, blocks) if keep_factors else f
+        k_rows, q_rows = k.unflatten(-2, blocks)[..., :h, :], q.unflatten(-2, blocks)[..., h:, :]
+        if w == 2:  # (s, p] is row 1 alone, (p, t] is empty: q's rows themselves, no matmul of 2 x 2 blocks
+            torch.exp(gl.unflatten(-2, blocks)[..., 1:, :], out=f[..., :1, :])
+            torch.mul(k_rows, f[..., :1, :], out=ops[..., :1, :])
+            yield Level(w, f[..., :1, :] if keep_factors else None, None, ops[..., :1, :], q_rows)
+            continue
+        span_sums("pivot", gl, w, f.flatten(-3, -2)).exp_()
+        torch.mul(k_rows, f[..., :h, :], out=ops[..., :h, :])
+        torch.mul(q_rows, f[..., h:, :], out=ops[..., h:, :])
+        yield Level(w, f[..., :h, :] if keep_factors else None, f[..., h:, :] if keep_factors else None,
+                    ops[..., :h, :], ops[..., h:, :])
 
 
 def _quadrants(M: torch.Tensor, w: int) -> torch.Tensor:
@@ -465,30 +472,39 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor, ws: Scratch, name: str) -> torch.
     return torch.sum(prod, -1, out=ws.take(name + "_sum", a.shape[:-1]))
 
 
-def attention(q, k, gl, scale, lv: Optional[List[Level]] = None, ws: Optional[Scratch] = None):
+def attention(q, k, gl, scale, ws: Optional[Scratch] = None):
     """F3: A [..., C, C], A[t, s] = scale * sum_i q_ti k_si e^(b_ti - b_si) for s <= t, 0 above
     (the upper triangle is never computed: a select, not a mask product)."""
-    C = q.shape[-2]
     ws = ws or _scratch.fresh(q)
-    A = ws.zeros("attention", q.shape[:-1] + (C,))
-    for level in (lv if lv is not None else levels(q, k, gl, False, ws)):
-        kop, qop = level.halves(level.ops)
-        _quadrants(A, level.w).copy_(_products(qop, kop, ws, "attention_products"))
+    A = ws.zeros("attention", q.shape[:-1] + (q.shape[-2],))
+    for level in levels(q, k, gl, False, ws):
+        _add_quadrants(A, level, ws)
+    return _finish_attention(A, q, k, scale, ws)
+
+
+def _add_quadrants(A, level: Level, ws: Scratch) -> None:
+    _quadrants(A, level.w).copy_(_products(level.qop, level.kop, ws, "attention_products"))
+
+
+def _finish_attention(A, q, k, scale, ws: Scratch):
     torch.diagonal(A, dim1=-2, dim2=-1).copy_(_row_dot(q, k, ws, "attention_diagonal"))
     return A.mul_(scale)
 
 
-def intra_gradients(q, k, gl, dA, dq, dk, dg, lv: Optional[List[Level]] = None, ws: Optional[Scratch] = None):
+def intra_gradients(q, k, gl, dA, dq, dk, dg, ws: Optional[Scratch] = None, scale: Optional[float] = None):
     """B4 and the intra-chunk part of dg: adds into dq, dk, dg [..., C, K] the gradients through
     A given dA [..., C, C] (scale included). Per quadrant, mk = dA^T (q ops), mq = dA (k ops):
     dk gains ek mk and dq eq mq, and dg_u every pair s < u <= t: on key rows the sum over s < u of
-    k ops * mk, on query rows the sum over t >= u of q ops * mq."""
+    k ops * mk, on query rows the sum over t >= u of q ops * mq. With `scale` given, also forms
+    and returns F3's A from the same level operands (attention(), without a second pass of levels)."""
     C = q.shape[-2]
     ws = ws or _scratch.fresh(q)
-    for level in (lv if lv is not None else levels(q, k, gl, True, ws)):
+    A = ws.zeros("attention", q.shape[:-1] + (C,)) if scale is not None else None
+    for level in levels(q, k, gl, True, ws):
         w, h = level.w, level.w // 2
-        kop, qop = level.halves(level.ops)
-        ek, eq = level.halves(level.factors)
+        kop, qop, ek, eq = level.kop, level.qop, level.ek, level.eq
+        if A is not None:
+            _add_quadrants(A, level, ws)
         dAq = _quadrants(dA, w)
         half = kop.shape  # [..., C/w, w/2, K]
         mk, mq = ws.take("intra_mk", half), ws.take("intra_mq", half)
@@ -513,11 +529,15 @@ def intra_gradients(q, k, gl, dA, dq, dk, dg, lv: Optional[List[Level]] = None, 
             else:
                 dg_k.add_(span_sums("before", yk, h, ws.take("intra_sums", half)))
                 dg_q.add_(span_sums("from", yq, h, ws.take("intra_sums", half)))
-        split(dq)[..., 1, :, :].addcmul_(eq, mq)
+        if eq is None:  # w = 2: the query row's factor is 1
+            split(dq)[..., 1, :, :].add_(mq)
+        else:
+            split(dq)[..., 1, :, :].addcmul_(eq, mq)
         split(dk)[..., 0, :, :].addcmul_(ek, mk)
     diag = torch.diagonal(dA, dim1=-2, dim2=-1).unsqueeze(-1)
     dq.addcmul_(diag, k)
     dk.addcmul_(diag, q)
+    return _finish_attention(A, q, k, scale, ws) if A is not None else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -632,7 +652,7 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     for c0, c1 in blocks:
         p0, p1 = layout.rows_of(c0, c1)
         kb, vb = layout.load(k, p0, p1, cd, ws, "k"), layout.load(v, p0, p1, cd, ws, "v")
-        dec = decays(layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd)), ws)
+        dec = decays(layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd)), ws, from_start=False)
         kb.mul_(dec.to_end)
         for c in range(c0, c1):
             a, n = firsts[c] - p0, counts[c]
@@ -661,9 +681,7 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
             Sn.baddbmm_(_flat3(qw, a, n).transpose(-1, -2), _flat3(dob, a, n), alpha=scale)
         dA = _bmm(dob, vb.transpose(-1, -2), ws.take("dA", qb.shape[:-1] + (qb.shape[-2],)), alpha=scale)  # B3
         dqb, dkb, dgb = ws.zeros("dq", qb.shape), ws.zeros("dk", kb.shape), ws.zeros("dg", qb.shape)
-        lv = levels(qb, kb, gl, True, ws)
-        intra_gradients(qb, kb, None, dA, dqb, dkb, dgb, lv, ws)  # B4 and the intra-chunk dg
-        A = attention(qb, kb, None, scale, lv, ws)
+        A = intra_gradients(qb, kb, gl, dA, dqb, dkb, dgb, ws, scale)  # B4 and the intra-chunk dg; F3's A
         dvb = _bmm(A.transpose(-1, -2), dob, ws.take("dv", vb.shape))  # B2
         kw = torch.mul(kb, dec.to_end, out=qw)  # qw is dead
         _bmm(kw, dh, dvb, accumulate=True)
@@ -709,19 +727,19 @@ def unpack_gate_gradient(layout: Layout, dg, out) -> None:
 
 def _row_bytes(layout: Layout, H: int, K: int, V: int, dtype: torch.dtype, backward: bool) -> int:
     """Bytes of one packed chunk row's (H heads') scratch buffers inside a block: the forward's
-    q, k, g, decays (2), level factors (6), products and diagonal (1.5) in [C, K], v and o in
-    [C, V], A in [C, C]; the backward's q, k, g, decays (2), qw, dq, dk, dg, factors and operands
-    (12), intra temporaries (3), attention diagonal, dq/dk inter and their sums (3) in [C, K], v,
-    do, dv in [C, V], A and dA in [C, C], dh and the state products in [K, V]."""
+    q, k, g, decays (2), one level's factors, products and diagonal (1.5) in [C, K], v and o in
+    [C, V], A in [C, C]; the backward's q, k, g, decays (2), qw, dq, dk, dg, one level's factors
+    and operands (2), intra temporaries (2.5), products, attention diagonal, dq/dk inter and their
+    sums (3.5) in [C, K], v, do, dv in [C, V], A and dA in [C, C], dh and the state products in
+    [K, V]."""
     C, esize = layout.C, torch.finfo(dtype).bits // 8
     if backward:
-        return esize * H * (C * (27 * K + 3 * V + 2 * C) + 2 * K * V)
-    return esize * H * C * (25 * K // 2 + 2 * V + C)
+        return esize * H * (C * (17 * K + 3 * V + 2 * C) + 2 * K * V)
+    return esize * H * C * (15 * K // 2 + 2 * V + C)
 
 
 def _block_budget(device) -> int:
-    """A block's working set: cache-sized on the CPU (each elementwise pass then stays in cache and
-    reuses freed memory instead of faulting in fresh pages), BLOCK_BYTES elsewhere."""
+    """A block's working set: CPU_BLOCK_BYTES on the CPU, BLOCK_BYTES elsewhere."""
     return CPU_BLOCK_BYTES if torch.device(device).type == "cpu" else BLOCK_BYTES
 
 

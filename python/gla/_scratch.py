@@ -5,9 +5,9 @@ temporaries. Each call site takes its temporary from a Scratch by a name of its 
 allocating a fresh tensor: on the CPU a freshly allocated tensor above glibc's trim threshold comes
 back as new pages, each 4 KiB a page fault (~3 us on this project's VMs; 42 000 faults in one
 forward at B1 T4096 H16 K=V=128, a third of its process CPU time), and a reused one is still in
-cache. On the CPU the Scratch of a thread also outlives the call (its size is bounded by the block
-budget, 8 MiB a worker): the worker threads are long-lived. Elsewhere a Scratch lives for one call
-and only saves the allocator's round trips.
+cache. On the CPU the Scratch of a thread also outlives the call (the worker threads are
+long-lived; its size is about the block budget, and a caller drops it past a bound:
+keep_at_most). Elsewhere a Scratch lives for one call and only saves the allocator's round trips.
 
 A name is one buffer: two tensors alive at the same time must have different names.
 """

@@ -1,6 +1,7 @@
 """The `torch` backend's own properties: g = -inf hard resets and strong decay against the fp64 token
 loop (on CPU, and on CUDA with the marker `cuda`), bounded intermediates (no tensor much larger than
 the inputs), blocks of scan steps and CPU worker threads (also after a fork) giving the same result,
+scratch buffers kept between calls never read before written,
 every stage unit on its own inside a `reference` stage pipeline, and a plug-in stage registered from
 Python mixed with `torch` stages in one call."""
 import os
@@ -11,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gla
-from gla import _chunked, _torch_stages
+from gla import _chunked, _scratch, _torch_stages
 from oracle import NAMES, make_inputs, rel, run_gla, token_loop
 from stage_plugin import IntraPlugin, record_torch_stages
 
@@ -139,6 +140,22 @@ def test_blocks_and_worker_threads_give_the_same_result(monkeypatch, threads):
         threads(2)
         check(run_gla(x, backend="torch"), whole, 1e-6, "worker threads vs the calling thread")
         monkeypatch.undo()
+
+
+def test_scratch_buffers_kept_between_calls_are_written_before_read(threads):
+    """The calling thread's scratch buffers (kept between calls on the CPU) poisoned with NaN after
+    a call of a larger shape: a smaller call still matches its result on a fresh thread's buffers,
+    so no block reads what an earlier block or call left there (SPEC.md §3 rule 4)."""
+    threads(1)  # the calls run on this thread, with its own Scratch
+    small = make_inputs(B=2, T=200, H=3, K=16, V=24, seed=35)  # a partial last chunk: padding rows
+    big = make_inputs(B=1, T=300, H=3, K=32, V=32, seed=36, cu_seqlens=[0, 100, 300])
+    scratch = _scratch.for_call(torch.float32, "cpu")
+    want = run_gla(small, backend="torch")  # the thread's buffers start at this call's sizes
+    run_gla(big, backend="torch")
+    assert scratch._buffers, "the CPU scratch keeps no buffers between calls"
+    for buf in scratch._buffers.values():
+        buf.fill_(float("nan"))
+    check(run_gla(small, backend="torch"), want, 1e-6, "after poisoned scratch")
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
