@@ -154,6 +154,15 @@ struct CommonInputs {
   const char* gate_name = "g";
 };
 
+// Stride 0 repeats one entry: it can describe nothing but empty sequences at T = 0, and it lets
+// 8 bytes name 2^60 offsets that would be copied and scanned before any other check.
+void reject_repeated_offsets(const char* name, const gla_tensor& offsets) {
+  if (offsets.sizes[0] > 2 && offsets.strides[0] == 0) {
+    invalid(std::string(name) + ": expected a non-zero stride, got stride 0 with " + std::to_string(offsets.sizes[0]) +
+            " entries");
+  }
+}
+
 void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_options& options,
                     bool metadata_only) {
   gla_problem& p = out.problem;
@@ -237,11 +246,7 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
       invalid("cu_seqlens: expected shape [N + 1] with N >= 0, got " + shape_string(cu));
     }
     if (B != 1) invalid("cu_seqlens: requires B == 1 (sequences packed along T), got B = " + std::to_string(B));
-    // Stride 0 repeats one entry: it can describe nothing but empty sequences at T = 0, and it lets
-    // 8 bytes name 2^60 offsets that would be copied and scanned before any other check.
-    if (cu.sizes[0] > 2 && cu.strides[0] == 0) {
-      invalid("cu_seqlens: expected a non-zero stride, got stride 0 with " + std::to_string(cu.sizes[0]) + " entries");
-    }
+    reject_repeated_offsets("cu_seqlens", cu);
     check_same_device("cu_seqlens", cu, q);
     N = cu.sizes[0] - 1;
     p.varlen = 1;
@@ -257,10 +262,7 @@ void prepare_common(PreparedProblem& out, const CommonInputs& in, const gla_opti
         invalid("cu_seqlens_host: expected an int32/int64 host copy of shape " + shape_string(cu) + ", got " +
                 std::string(dtype_name(hc.dtype)) + " " + shape_string(hc));
       }
-      if (hc.sizes[0] > 2 && hc.strides[0] == 0) {
-        invalid("cu_seqlens_host: expected a non-zero stride, got stride 0 with " + std::to_string(hc.sizes[0]) +
-                " entries");
-      }
+      reject_repeated_offsets("cu_seqlens_host", hc);
       // Host memory is readable even for metadata-only queries (workspace sizing, explain), so
       // backends that plan from the offsets see the real ones there too.
       if (hc.data) load_offsets(out, hc.data, hc.dtype, hc.strides[0]);
