@@ -26,13 +26,6 @@ def _reject_non_tensors(required, optional) -> None:
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
 
 
-def _default_scale(q: Tensor, scale: Optional[float]) -> float:
-    if scale is not None:
-        return float(scale)
-    K = q.shape[-1] if q.dim() > 0 else 0
-    return K ** -0.5 if K > 0 else 1.0  # K == 0 is rejected by libgla with its own message
-
-
 def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = None,
               initial_state: Optional[Tensor] = None, output_final_state: bool = False,
               state_v_first: bool = False, cu_seqlens: Optional[Tensor] = None,
@@ -80,7 +73,7 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float]
         return _float64_chunk_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
                                   host, backend_name, bool(check_inputs))
     try:
-        o, final = _ops.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, host, _default_scale(q, scale),
+        o, final = _ops.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, host, scale,
                                   bool(state_v_first), bool(output_final_state), backend_name, _ops.selection.policy,
                                   bool(check_inputs))
     except RuntimeError as e:
@@ -115,7 +108,7 @@ def _float64_chunk_gla(q, k, v, g, scale, initial_state, output_final_state, sta
     if backend_name not in ("", "torch"):
         raise TypeError(f"q: float64 is served only by the 'torch' backend (in Python), but backend '{backend_name}' "
                         "is forced; libgla takes float32, float16 or bfloat16")
-    scale = _default_scale(q, scale)
+    scale = _ops.default_scale(q, scale)
     offsets = _validate.check_float64(q, k, v, g, initial_state, cu_seqlens, host, scale, bool(state_v_first))
     if check_inputs:
         _validate.check_values((("q", q, False), ("k", k, False), ("v", v, False), ("g", g, True),
@@ -181,7 +174,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] =
          (("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens),
           ("cu_seqlens_host", host))}
     p = {name: (ctypes.pointer(x) if x is not None else None) for name, x in d.items()}
-    opts = _lib.make_options(_default_scale(q, scale), state_v_first, _ops.current_backend(), _ops.current_policy())
+    opts = _lib.make_options(_ops.default_scale(q, scale), state_v_first, _ops.current_backend(), _ops.current_policy())
     text = ctypes.c_char_p()
     N = _ops.num_sequences(q, cu_seqlens)
     state_shape = _ops.state_shape(q, v, N, state_v_first)

@@ -52,9 +52,10 @@ def _run(entry, size_entry, args, opts, device, tensors) -> None:
             _lib.raise_for(entry(ctypes.byref(args), ctypes.byref(opts)))  # workspace stays alive until here
 
 
-def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first=False,
+def chunk_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None, scale=None, state_v_first=False,
               output_final_state=False, backend="", policy=0, check_inputs=False):
     lib = _lib.library()
+    scale = _ops.default_scale(q, scale)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     final = (torch.empty(_ops.state_shape(q, v, _ops.num_sequences(q, cu_seqlens), state_v_first),
                          dtype=torch.float32, device=q.device) if output_final_state else None)

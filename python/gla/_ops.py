@@ -44,11 +44,16 @@ def current_policy() -> int:
     return selection.policy
 
 
-# The schemas; libgla_torch defines the same strings (gla/csrc/chunk_ops.cpp).
+# The schemas; libgla_torch defines the same strings (gla/csrc/chunk_ops.cpp). chunk_fwd_no_autograd
+# is chunk_fwd without an autograd formula, for the eager routes that build no graph (a call of it
+# needs no below-autograd guard: ~9k instructions, ~1.5 us per call).
+_CHUNK_FWD_ARGUMENTS = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state=None, Tensor? cu_seqlens=None, "
+                        "Tensor? cu_seqlens_cpu=None, float? scale=None, bool state_v_first=False, "
+                        "bool output_final_state=False, str backend=\"\", int policy=0, bool check_inputs=False) "
+                        "-> (Tensor, Tensor)")
 SCHEMAS = {
-    "chunk_fwd": "chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
-                 "Tensor? cu_seqlens_cpu, float scale, bool state_v_first=False, bool output_final_state=False, "
-                 "str backend=\"\", int policy=0, bool check_inputs=False) -> (Tensor, Tensor)",
+    "chunk_fwd": "chunk_fwd" + _CHUNK_FWD_ARGUMENTS,
+    "chunk_fwd_no_autograd": "chunk_fwd_no_autograd" + _CHUNK_FWD_ARGUMENTS,
     "chunk_bwd": "chunk_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
                  "Tensor? cu_seqlens_cpu, Tensor? do, Tensor? dht, float scale, bool state_v_first, str backend, "
                  "int policy, bool check_inputs=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -80,8 +85,6 @@ def ensure_loaded():
 
 def _register_operators() -> None:
     global native_path, _library
-    from . import _ctypes_kernels
-
     native_path, reason = _native.load()
     _library = torch.library.Library("gla", "FRAGMENT")
     if native_path is None:
@@ -91,18 +94,29 @@ def _register_operators() -> None:
                       RuntimeWarning, stacklevel=4)
         for name, schema in SCHEMAS.items():
             _library.define(schema)
-            _library.impl(name, getattr(_ctypes_kernels, name), "CompositeExplicitAutograd")
+            _library.impl(name, _python_kernel(name), "CompositeExplicitAutograd")
     else:
         for name in SCHEMAS:
             for key in _PYTHON_KERNEL_KEYS:
-                _library.impl(name, getattr(_ctypes_kernels, name), key)
+                _library.impl(name, _python_kernel(name), key)
     torch.library.register_fake("gla::chunk_fwd", _chunk_fwd_fake, lib=_library)
+    torch.library.register_fake("gla::chunk_fwd_no_autograd", _chunk_fwd_fake, lib=_library)
+    # No autograd kernel at all: the dispatcher skips the key instead of running PyTorch's
+    # autograd-not-implemented fallback (~5k instructions per call). Its callers build the graph
+    # themselves (_ChunkFwd) or need none.
+    _library.impl("chunk_fwd_no_autograd", torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake("gla::chunk_bwd", _chunk_bwd_fake, lib=_library)
     torch.library.register_autograd("gla::chunk_fwd", _backward, setup_context=_setup_context, lib=_library)
     global _chunk_fwd_op, _chunk_bwd_op
-    _chunk_fwd_op, _chunk_bwd_op = eager_entry("chunk_fwd"), eager_entry("chunk_bwd")
+    _chunk_fwd_op, _chunk_bwd_op = eager_entry("chunk_fwd_no_autograd"), eager_entry("chunk_bwd")
     from . import _recurrent
     _recurrent.register_operators(_library, native_path is not None)
+
+
+def _python_kernel(name: str):
+    """The Python (ctypes) kernel of op `name`: chunk_fwd_no_autograd's is chunk_fwd's."""
+    from . import _ctypes_kernels
+    return getattr(_ctypes_kernels, "chunk_fwd" if name == "chunk_fwd_no_autograd" else name)
 
 
 def eager_entry(name: str):
@@ -114,7 +128,9 @@ def eager_entry(name: str):
     return getattr(overload, "_op", overload)
 
 
-_chunk_fwd_op = _chunk_bwd_op = None  # set by _register_operators
+# Set by _register_operators: the eager entries of chunk_fwd_no_autograd (the forward of the eager
+# routes, which build their graph themselves or none) and of chunk_bwd.
+_chunk_fwd_op = _chunk_bwd_op = None
 
 
 # ---- shapes shared by the fake kernels and the Python kernels ----
@@ -131,8 +147,17 @@ def state_shape(q, v, N, state_v_first: bool):
     return (N, H, V, K) if state_v_first else (N, H, K, V)
 
 
-def _chunk_fwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first=False,
-                    output_final_state=False, backend="", policy=0, check_inputs=False):
+def default_scale(q, scale=None) -> float:
+    """scale, or K ** -0.5 (1 for a q without a last dimension, which libgla rejects anyway); the C++
+    kernels compute the same default (gla/csrc/chunk_ops.cpp)."""
+    if scale is not None:
+        return float(scale)
+    K = q.shape[-1] if q.dim() > 0 else 0
+    return K ** -0.5 if K > 0 else 1.0
+
+
+def _chunk_fwd_fake(q, k, v, g, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None, scale=None,
+                    state_v_first=False, output_final_state=False, backend="", policy=0, check_inputs=False):
     _validate.reject_meta_mixed_with_data((("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
                                            ("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)))
     torch._check(q.dim() == 4, lambda: f"q: expected shape [B, T, H, K], got {list(q.shape)}")
@@ -213,8 +238,7 @@ class _ChunkFwd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, rest):
-        with _below_autograd():
-            out = _chunk_fwd_op(q, k, v, g, initial_state, *rest)
+        out = _chunk_fwd_op(q, k, v, g, initial_state, *rest)
         _save(ctx, q, k, v, g, initial_state, rest)
         return out
 
@@ -239,17 +263,23 @@ _grad_enabled = torch.is_grad_enabled
 def chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
               backend, policy, check_inputs=False):
     """gla::chunk_fwd with autograd, by the cheapest route that keeps its semantics: the registered
-    op under torch.compile and torch.func; in eager mode the op below the autograd key, inside
-    _ChunkFwd when a gradient is wanted."""
+    op under torch.compile and torch.func; in eager mode chunk_fwd_no_autograd, inside _ChunkFwd
+    when a gradient is wanted. scale None: K ** -0.5."""
+    graph = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or
+                                 (initial_state is not None and initial_state.requires_grad))
+    if not (graph or state_v_first or output_final_state or backend or policy or check_inputs or
+            initial_state is not None or cu_seqlens is not None or cu_seqlens_cpu is not None or scale is not None
+            or _is_compiling() or _functorch_active()):
+        return _chunk_fwd_op(q, k, v, g)  # every later argument the schema's default
+    # Arguments equal to the schema's defaults are left out: PyTorch's binding checks each argument
+    # passed (~1.4k instructions each).
     if state_v_first or output_final_state or backend or policy or check_inputs:
-        args = (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
-                backend, policy, check_inputs)
-    else:  # the schema's defaults: PyTorch's binding checks each argument passed (~1.4k instructions each)
-        args = (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale)
+        args = (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, default_scale(q, scale), state_v_first,
+                output_final_state, backend, policy, check_inputs)
+    else:
+        args = (q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, default_scale(q, scale))
     if _is_compiling() or _functorch_active():
         return torch.ops.gla.chunk_fwd.default(*args)
-    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or
-                            (initial_state is not None and initial_state.requires_grad)):
+    if graph:
         return _apply(q, k, v, g, initial_state, args[5:])
-    with _below_autograd():
-        return _chunk_fwd_op(*args)
+    return _chunk_fwd_op(*args)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _lib, _ops, _tensors
-from ._api import _as_host_offsets, _default_scale
+from ._api import _as_host_offsets
 from ._ctypes_kernels import _host_offsets, _ptr, _stream
 
 
@@ -51,7 +51,7 @@ def tune(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float] = No
     else:
         named = inputs + (("o", torch.empty(v.shape, dtype=v.dtype, device=v.device)), ("final_state", final))
         args = _lib.ForwardArgs(*(_ptr(_tensors.describe(n, t)) for n, t in named))
-    opts = _lib.make_options(_default_scale(q, scale), state_v_first, _ops.current_backend(), _lib.POLICY_FASTEST,
+    opts = _lib.make_options(_ops.default_scale(q, scale), state_v_first, _ops.current_backend(), _lib.POLICY_FASTEST,
                              stream=_stream(q.device))
     text = ctypes.c_char_p()
     with _tensors.handed_over(*(t for _, t in named)):

@@ -24,9 +24,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import _ops
 from . import _distributed_exchange as _exchange
 from . import _distributed_function as _function
-from ._api import _default_scale
 from ._distributed_plan import Plan
 
 __all__ = ["chunk_gla", "simulate", "Context", "build_context"]
@@ -177,7 +177,7 @@ def simulate(q: Sequence[Tensor], k: Sequence[Tensor], v: Sequence[Tensor], g: S
 # ---- helpers ----
 def _call(context: Context, ex, q: Tensor, scale, output_final_state, state_v_first) -> _function.Call:
     backend, policy = _function.selection()
-    return _function.Call(context.plan, ex, _default_scale(q, scale), bool(output_final_state),
+    return _function.Call(context.plan, ex, _ops.default_scale(q, scale), bool(output_final_state),
                           bool(state_v_first), backend, policy, context._offsets)
 
 

@@ -30,13 +30,15 @@ def _op_args(x, output_final_state=True):
 def test_cpu_and_cuda_kernels_are_the_native_ones():
     """The dispatcher's table: CPU and CUDA kernels from gla/csrc/chunk_ops.cpp, the Python kernels
     only for the devices without a C++ one, fake (Meta) and autograd from Python."""
-    for op in ("gla::chunk_fwd", "gla::chunk_bwd"):
+    for op in ("gla::chunk_fwd", "gla::chunk_fwd_no_autograd", "gla::chunk_bwd"):
         table = dict(line.split(": registered at ", 1) for line in torch._C._dispatch_dump(op).splitlines()
                      if ": registered at " in line)
         for key in ("CPU", "CUDA"):
             assert "chunk_ops.cpp" in table[key], table
-        for key in ("MPS", "XPU", "PrivateUse1", "Meta") + (("Autograd[alias]",) if op.endswith("fwd") else ()):
+        for key in ("MPS", "XPU", "PrivateUse1", "Meta") + (("Autograd[alias]",) if op == "gla::chunk_fwd" else ()):
             assert "_ops.py" in table[key], table
+        if op == "gla::chunk_fwd_no_autograd":
+            assert "fallthrough" in torch._C._dispatch_dump(op).split("Autograd[alias]: ")[1].splitlines()[0]
     assert _native.load()[0] == _ops.native_path  # loading again is harmless
 
 
@@ -80,6 +82,41 @@ def test_graph_only_when_a_gradient_is_wanted():
         o, _ = gla.chunk_gla(X["q"], X["k"], X["v"], X["g"])
     ref, _ = gla.chunk_gla(X["q"], X["k"], X["v"], X["g"])
     assert torch.equal(o, ref)
+
+
+def test_eager_routes_call_the_forward_without_autograd_formula():
+    """Eager calls run gla::chunk_fwd_no_autograd (no below-autograd guard needed), with a gradient
+    inside _ChunkFwd; the registered gla::chunk_fwd is what torch.compile and torch.func see."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    leaves = [X[n].clone().requires_grad_() for n in LEAVES]
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), Log() as log:
+            o, _ = gla.chunk_gla(*leaves[:4])
+        assert [op for op in log.ops if op.startswith("gla.")] == ["gla.chunk_fwd_no_autograd.default"], log.ops
+        assert (o.grad_fn is not None) == grad
+
+
+@pytest.mark.parametrize("K", [8, 60, 100, 128])
+def test_default_scale_of_the_operator_is_pythons(K):
+    """The no-argument route leaves scale to the kernel (K ** -0.5 in C++): bitwise the result of
+    passing Python's K ** -0.5."""
+    x = make_inputs(B=1, T=33, H=2, K=K, V=8, seed=K)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    with torch.no_grad():
+        assert torch.equal(gla.chunk_gla(q, k, v, g)[0], gla.chunk_gla(q, k, v, g, scale=K ** -0.5)[0])
+        assert torch.equal(torch.ops.gla.chunk_fwd_no_autograd(q, k, v, g)[0],
+                           torch.ops.gla.chunk_fwd(q, k, v, g, None, None, None, K ** -0.5)[0])
+        assert not torch.equal(gla.chunk_gla(q, k, v, g)[0], gla.chunk_gla(q, k, v, g, scale=0.5 * K ** -0.5)[0])
 
 
 def test_only_initial_state_requires_grad():

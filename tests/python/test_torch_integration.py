@@ -58,6 +58,9 @@ def test_opcheck_forward(config):
     torch.library.opcheck(torch.ops.gla.chunk_fwd.default, tuple(args))
     args[9] = False  # no final state
     torch.library.opcheck(torch.ops.gla.chunk_fwd.default, tuple(args))
+    # The eager routes' forward: the same kernels without an autograd formula.
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    torch.library.opcheck(torch.ops.gla.chunk_fwd_no_autograd.default, plain)
 
 
 @pytest.mark.parametrize("config", ["plain", "varlen", "no-h0"])

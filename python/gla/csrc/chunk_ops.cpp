@@ -6,6 +6,7 @@
 // Custom operators cannot return None, so absent optional outputs are empty fp32 tensors (numel 0);
 // the Python wrapper turns them back into None.
 #include <array>
+#include <cmath>
 #include <string>
 #include <tuple>
 
@@ -27,10 +28,17 @@ std::array<int64_t, 4> state_shape(const Tensor& q, const Tensor& v, int64_t N, 
   return state_v_first ? std::array<int64_t, 4>{N, H, V, K} : std::array<int64_t, 4>{N, H, K, V};
 }
 
+// The default scale, K ** -0.5 as Python computes it (pow of a double: bitwise the same), 1 for a
+// q libgla rejects anyway.
+double default_scale(const Tensor& q) {
+  const int64_t K = q.dim() > 0 ? q.size(q.dim() - 1) : 0;
+  return K > 0 ? std::pow(static_cast<double>(K), -0.5) : 1.0;
+}
+
 std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state,
                                      std::optional<Tensor> cu_seqlens, std::optional<Tensor> cu_seqlens_cpu,
-                                     double scale, bool state_v_first, bool output_final_state, std::string backend,
-                                     int64_t policy, bool check_inputs) {
+                                     std::optional<double> scale, bool state_v_first, bool output_final_state,
+                                     std::string backend, int64_t policy, bool check_inputs) {
   gla_tensor dq = describe("q", q), dk = describe("k", k), dv = describe("v", v), dg = describe("g", g);
   gla_tensor dh0, dcu, dhost, dfinal;
   const std::optional<Tensor> host = host_offsets(cu_seqlens, cu_seqlens_cpu);
@@ -50,7 +58,8 @@ std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std
                                     describe("cu_seqlens_host", host, dhost),
                                     &d_o,
                                     describe("final_state", final, dfinal)};
-  gla_options options = make_options(scale, state_v_first, backend, policy, q);
+  gla_options options =
+      make_options(scale.has_value() ? *scale : default_scale(q), state_v_first, backend, policy, q);
   options.check_inputs = check_inputs ? 1 : 0;
   run(gla_chunk_forward_with_allocator, args, options, q);
   return {o, final.has_value() ? *final : empty_state(q)};
@@ -96,11 +105,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
 
 // The schemas, shared with the Python fallback (gla/_ops.py defines the same strings when this
 // library cannot load).
+// chunk_fwd_no_autograd is chunk_fwd without an autograd kernel: the eager route of a call that builds
+// no graph calls it directly, where chunk_fwd (whose autograd formula is registered from Python)
+// needs a below-autograd guard around it (~9k instructions, ~1.5 us per call).
+#define GLA_CHUNK_FWD_ARGUMENTS                                                                   \
+  "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state=None, Tensor? cu_seqlens=None, "  \
+  "Tensor? cu_seqlens_cpu=None, float? scale=None, bool state_v_first=False, "                      \
+  "bool output_final_state=False, str backend=\"\", int policy=0, bool check_inputs=False) -> (Tensor, Tensor)"
 STABLE_TORCH_LIBRARY_FRAGMENT(gla, m) {
-  m.def(
-      "chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
-      "Tensor? cu_seqlens_cpu, float scale, bool state_v_first=False, bool output_final_state=False, "
-      "str backend=\"\", int policy=0, bool check_inputs=False) -> (Tensor, Tensor)");
+  m.def("chunk_fwd" GLA_CHUNK_FWD_ARGUMENTS);
+  m.def("chunk_fwd_no_autograd" GLA_CHUNK_FWD_ARGUMENTS);
   m.def(
       "chunk_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
       "Tensor? cu_seqlens_cpu, Tensor? do, Tensor? dht, float scale, bool state_v_first, str backend, "
@@ -109,6 +123,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(gla, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(gla, CPU, m) {
   m.impl("chunk_fwd", TORCH_BOX(&gla_torch::chunk_fwd));
+  m.impl("chunk_fwd_no_autograd", TORCH_BOX(&gla_torch::chunk_fwd));
   m.impl("chunk_bwd", TORCH_BOX(&gla_torch::chunk_bwd));
 }
 
@@ -116,5 +131,6 @@ STABLE_TORCH_LIBRARY_IMPL(gla, CPU, m) {
 // stream comes from PyTorch's C shim, so nothing here needs CUDA headers.
 STABLE_TORCH_LIBRARY_IMPL(gla, CUDA, m) {
   m.impl("chunk_fwd", TORCH_BOX(&gla_torch::chunk_fwd));
+  m.impl("chunk_fwd_no_autograd", TORCH_BOX(&gla_torch::chunk_fwd));
   m.impl("chunk_bwd", TORCH_BOX(&gla_torch::chunk_bwd));
 }
