@@ -92,13 +92,13 @@ TEST(ExtremeInputs, CpuMatchesReference) {
 }
 
 // The stage pipeline (each stage dispatched on its own, intermediates in gla.h's fp32 layouts) of
-// the reference and cpu backends. Every output is finite wherever the reference's is; cases with
-// finite gates below -104 are held to that alone (ExtremeCase::below_floor says why) and reported.
+// the reference and cpu backends, against the whole-operation reference: the SPEC.md §5 bar on
+// every case whose finite gates stay above -104.
 TEST(ExtremeInputs, StagePipelinesMatchReference) {
   std::vector<std::string> backends = {"reference"};
   if (backend_available("cpu")) backends.push_back("cpu");
-  std::string pending;
   for (const ExtremeCase& x : extreme_cases()) {
+    if (x.below_floor) continue;  // the next test
     SCOPED_TRACE(x.name);
     Outputs ref;
     reference_of(x.in, ref);
@@ -106,20 +106,39 @@ TEST(ExtremeInputs, StagePipelinesMatchReference) {
       Outputs got;
       ASSERT_EQ(run_forward(x.in, got, {backend, true}), GLA_STATUS_OK) << gla_last_error();
       ASSERT_EQ(run_backward(x.in, got, {backend, true}), GLA_STATUS_OK) << gla_last_error();
-      if (!x.below_floor) {
-        expect_close(got, ref, backend + " stage pipeline");
-        continue;
-      }
+      expect_close(got, ref, backend + " stage pipeline");
+    }
+  }
+}
+
+// Finite gates below -104 mixed with mild ones, through the stage pipelines: no NaN or Inf (the
+// extreme-input bar), and the error the fp32 gcum interface allows. gla.h passes the chunk-local
+// cumulative gate between stages in fp32 (SPEC.md §2); after a gate at the floor it reaches
+// ~64 * 150 in log2 units, whose ulp (up to 1e-3) enters every later span b_t - b_s. Measured rel
+// 2.5e-5 .. 3.1e-5 (the whole operations, which never subtract cumulative sums, meet 1e-5); bound
+// 1e-4. Meeting 1e-5 here needs a wider gcum in the stage interface (docs/reliability.md).
+TEST(ExtremeInputs, StagePipelinesBelowTheGateFloorStayFiniteAndBounded) {
+  std::vector<std::string> backends = {"reference"};
+  if (backend_available("cpu")) backends.push_back("cpu");
+  int cases = 0;
+  for (const ExtremeCase& x : extreme_cases()) {
+    if (!x.below_floor) continue;
+    ++cases;
+    SCOPED_TRACE(x.name);
+    Outputs ref;
+    reference_of(x.in, ref);
+    for (const std::string& backend : backends) {
+      Outputs got;
+      ASSERT_EQ(run_forward(x.in, got, {backend, true}), GLA_STATUS_OK) << gla_last_error();
+      ASSERT_EQ(run_backward(x.in, got, {backend, true}), GLA_STATUS_OK) << gla_last_error();
       EXPECT_TRUE(finite_outputs(got, false) && finite_outputs(got, true)) << backend << " stage pipeline: NaN/Inf";
       std::string fwd, bwd;
       const double e = std::max(max_error(got, ref, false, fwd), max_error(got, ref, true, bwd));
-      pending += "\n  " + backend + ", " + x.name + ": rel " + std::to_string(e);
+      EXPECT_LT(e, 1e-4) << backend << " stage pipeline: " << fwd << " " << bwd;
+      RecordProperty(backend + ": " + x.name, std::to_string(e));
     }
   }
-  if (!pending.empty()) {
-    GTEST_SKIP() << "finite everywhere; the 1e-5 bar is pending for gates below -104 in the stage pipeline (its fp32 "
-                    "gcum buffer, see extreme_inputs.hpp):" << pending;
-  }
+  EXPECT_GT(cases, 0);
 }
 
 // The optional input check passes the legal extremes (g = -inf is a hard reset, SPEC.md §3.8) and
