@@ -63,6 +63,7 @@ struct BackwardParams {
   int32_t vector_loads;  // 1: q, k, v, do rows 16-byte aligned, K and V multiples of 8
   int32_t vector_gate;   // 1: a per-key gate with 16-byte aligned rows and K a multiple of 8
   int32_t vector_dv;     // 1: dv rows 16-byte aligned (with vector_loads: the reversed forward's cp.async path)
+  int32_t vector_dqk;    // 1: dq and dk rows 16-byte aligned and K a multiple of 8 (16-byte stores)
 };
 
 // Where each intermediate lives in the workspace (byte offsets, 256-byte aligned).

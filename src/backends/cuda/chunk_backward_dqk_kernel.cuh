@@ -14,6 +14,8 @@
 // A per-head gate sums dg over the keys: per key tile into the workspace when K > 64.
 #pragma once
 
+#include <type_traits>
+
 #include "backends/cuda/chunk_backward_common.cuh"
 
 namespace gla::cuda::backward {
@@ -53,6 +55,7 @@ struct DqkShared {
   alignas(128) float tmp[kChunk * kLd32];
   float rowsum[kTile];
   float dk_inter_sum[kTile];
+  float column_part[kGradThreads / kTile][kTile];  // per-column partial sums of 8-row groups (dk_inter_sum, dg)
 };
 
 // Rows t of one row set (SET 0: t mod 4 in {0, 3}; SET 1: {1, 2}) of the diagonal block at r0, column
@@ -142,8 +145,14 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
           const float s1 = __uint_as_float((sw[j / 2] >> (16 * (j % 2))) << 16);
           const float d1 = __uint_as_float((dw[j / 2] >> (16 * (j % 2))) << 16);
           rowsum_part[i] += s1 * d1;
-          srow[j] = from_float<E>(s1);
-          drow[j] = from_float<E>(d1);
+          if constexpr (!std::is_same_v<E, StateElement>) {
+            srow[j] = from_float<E>(s1);
+            drow[j] = from_float<E>(d1);
+          }
+        }
+        if constexpr (std::is_same_v<E, StateElement>) {  // already the operands' type: stored as loaded
+          *reinterpret_cast<uint4*>(srow) = S.r[i];
+          *reinterpret_cast<uint4*>(drow) = dS.r[i];
         }
       }
     }
@@ -180,12 +189,21 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
   }
   __syncthreads();
   // ---- inter-chunk terms, dA in 16 bits, the pivoted stacks ----
-  for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
-    const int t = e >> 6, c = e & 63;
-    const float bt = sh.b[t * kTile + c], last = sh.b[(kChunk - 1) * kTile + c];
-    sh.dA[t * kLd16 + c] = from_float<E>(p.scale * sh.tmp[t * kLd32 + c]);
-    sh.u.grad.dq[t * kLd32 + c] *= p.scale * detail::fast_exp2(bt);
-    sh.u.grad.dk[t * kLd32 + c] *= detail::fast_exp2(last - bt);
+  // Thread tid covers column tid % 64 at rows tid / 64 + 8 i (512 threads): its part of
+  // Σ_s k_s ⊙ dk_s^inter goes to column_part, summed per column below in a fixed order.
+  static_assert(kGradThreads == 8 * kTile, "one column and eight row groups per thread set");
+  {
+    float inter_part = 0.0f;
+    for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
+      const int t = e >> 6, c = e & 63;
+      const float bt = sh.b[t * kTile + c], last = sh.b[(kChunk - 1) * kTile + c];
+      sh.dA[t * kLd16 + c] = from_float<E>(p.scale * sh.tmp[t * kLd32 + c]);
+      sh.u.grad.dq[t * kLd32 + c] *= p.scale * detail::fast_exp2(bt);
+      const float dk_inter = sh.u.grad.dk[t * kLd32 + c] * detail::fast_exp2(last - bt);
+      sh.u.grad.dk[t * kLd32 + c] = dk_inter;
+      inter_part += to_float(sh.k[t * kLd16 + c]) * dk_inter;
+    }
+    sh.column_part[tid >> 6][tid & 63] = inter_part;
   }
   for (int e = tid; e < kStackRows * kTile; e += kGradThreads) {
     const int r = e >> 6, c = e & 63;
@@ -203,7 +221,8 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
   __syncthreads();
   if (tid < kTile) {
     float acc = 0.0f;
-    for (int s = 0; s < kChunk; ++s) acc += to_float(sh.k[s * kLd16 + tid]) * sh.u.grad.dk[s * kLd32 + tid];
+#pragma unroll
+    for (int g = 0; g < kGradThreads / kTile; ++g) acc += sh.column_part[g][tid];
     sh.dk_inter_sum[tid] = acc;
   }
 
@@ -270,14 +289,32 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
   }
   __syncthreads();
 
-  // ---- dg: reverse cumsum of q ⊙ dq - k ⊙ dk plus the chunk-end terms; thread per column ----
-  if (p.dg != nullptr && tid < kTile) {
-    const int c = tid;
-    float acc = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + c]) * sh.rowsum[c] + sh.dk_inter_sum[c];
-    for (int t = static_cast<int>(rows) - 1; t >= 0; --t) {
-      acc += to_float(sh.q[t * kLd16 + c]) * sh.u.grad.dq[t * kLd32 + c] -
+  // ---- dg: reverse cumsum of x = q ⊙ dq - k ⊙ dk plus the chunk-end terms ----
+  // Thread (column c, row group r of 8 rows): the group's sum, then the suffix of the later groups
+  // and the chunk-end terms, then its own rows in reverse (a fixed order: reruns are bitwise).
+  if (p.dg != nullptr) {
+    const int c = tid & 63, group = tid >> 6, t0 = 8 * group;
+    const int last_row = static_cast<int>(rows) - 1;
+    float x[8];
+    float part = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int t = t0 + r;
+      x[r] = to_float(sh.q[t * kLd16 + c]) * sh.u.grad.dq[t * kLd32 + c] -
              to_float(sh.k[t * kLd16 + c]) * sh.u.grad.dk[t * kLd32 + c];
-      sh.tmp[t * kLd32 + c] = c < kv ? acc : 0.0f;
+      if (t <= last_row) part += x[r];
+    }
+    sh.column_part[group][c] = part;
+    __syncthreads();
+    float acc = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + c]) * sh.rowsum[c] + sh.dk_inter_sum[c];
+    for (int g = kGradThreads / kTile - 1; g > group; --g) acc += sh.column_part[g][c];
+#pragma unroll
+    for (int r = 7; r >= 0; --r) {
+      const int t = t0 + r;
+      if (t <= last_row) {
+        acc += x[r];
+        sh.tmp[t * kLd32 + c] = c < kv ? acc : 0.0f;
+      }
     }
   }
   __syncthreads();
@@ -303,6 +340,32 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
         }
       }
     }
+  }
+  if (p.vector_dqk) {
+    // 16-byte stores: thread tid writes row tid / 8, columns 8 (tid % 8) .. + 7 (K % 8 == 0).
+    static_assert(kChunk * kTile / 8 == kGradThreads, "one 16-byte group per thread");
+    const int t = tid >> 3, c = (tid & 7) * 8;
+    if (t < rows && c < kv) {
+      const int64_t tok = ch.t0 + t;
+      auto pack = [&](const float* row) {
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const E lo = from_float<E>(row[2 * j]), hi = from_float<E>(row[2 * j + 1]);
+          w[j] = uint32_t(reinterpret_cast<const uint16_t&>(lo)) | (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
+        }
+        return make_uint4(w[0], w[1], w[2], w[3]);
+      };
+      if (p.dq != nullptr) {
+        *reinterpret_cast<uint4*>(static_cast<E*>(p.dq) + ch.batch * p.dq_stride[0] + tok * p.dq_stride[1] +
+                                  h * p.dq_stride[2] + k0 + c) = pack(sh.u.grad.dq + t * kLd32 + c);
+      }
+      if (p.dk != nullptr) {
+        *reinterpret_cast<uint4*>(static_cast<E*>(p.dk) + ch.batch * p.dk_stride[0] + tok * p.dk_stride[1] +
+                                  h * p.dk_stride[2] + k0 + c) = pack(sh.u.grad.dk + t * kLd32 + c);
+      }
+    }
+    return;
   }
   for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
     const int t = e >> 6, c = e & 63;

@@ -206,6 +206,7 @@ cuda::BackwardParams make_backward_params(const gla_problem& p) {
   b.vector_loads = p.K % 8 == 0 && p.V % 8 == 0 && rows_in_16_byte_pieces({&p.q, &p.k, &p.v, &p.do_}) ? 1 : 0;
   b.vector_gate = !p.gate_per_head && p.K % 8 == 0 && rows_in_16_byte_pieces({&p.g}) ? 1 : 0;
   b.vector_dv = rows_in_16_byte_pieces({&p.dv}) ? 1 : 0;
+  b.vector_dqk = p.K % 8 == 0 && rows_in_16_byte_pieces({&p.dq, &p.dk}) ? 1 : 0;
   return b;
 }
 
