@@ -102,7 +102,10 @@ typedef enum gla_policy {
   GLA_POLICY_FORCED = 2,   /* only the backend named in gla_options.backend */
   GLA_POLICY_FASTEST = 3   /* measured choice per problem signature: the first call of a signature
                               times every accepting backend (or gla_tune does, ahead of time;
-                              GLA_TUNE_FILE keeps the winners across processes). docs/dispatch.md */
+                              GLA_TUNE_FILE keeps the winners across processes). At most 1024
+                              signatures are kept, in the process and in the file: the least
+                              recently used is dropped (and measured again if met again), said
+                              once on stderr when it leaves the file. docs/dispatch.md */
 } gla_policy;
 
 typedef struct gla_options {

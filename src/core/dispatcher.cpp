@@ -644,6 +644,8 @@ std::string fastest_note(const PreparedProblem& prepared, const DispatchControl&
       out << "\n  not measured: " << why << " (priority serves)";
     }
   }
+  out << "\n  records kept: " << Tuner::instance().size() << " of at most " << kMaxTuneRecords
+      << " (the least recently used is dropped first)";
   return out.str();
 }
 

@@ -9,17 +9,10 @@
 #include <thread>
 #include <vector>
 
-#include "core/environment.hpp"
-
 namespace gla {
 
-// GLA_NUM_THREADS, else the hardware's concurrency.
-inline int host_thread_count() {
-  if (const int n = environment().num_threads; n > 0) return n;
-  // Read once: hardware_concurrency() walks sysfs, ~14% of a tiny call's host time when read per call.
-  static const unsigned hw = std::thread::hardware_concurrency();
-  return hw ? static_cast<int>(hw) : 1;
-}
+// GLA_NUM_THREADS, else the CPUs this process may run on (parallel.cpp).
+int host_thread_count();
 
 template <class F>
 void parallel_for(int64_t count, F&& body) {

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -21,6 +22,17 @@ int64_t bucket(int64_t x) {
 }
 
 bool plain_name(const std::string& s) { return !s.empty() && s.find_first_of("\t\n\r") == std::string::npos; }
+
+// Erases the least recently used record (a scan: at most kMaxTuneRecords + 1 entries, once per new
+// measurement, next to the several timed runs that measurement took).
+template <class Map>
+void erase_least_recent(Map& records) {
+  auto oldest = records.begin();
+  for (auto it = records.begin(); it != records.end(); ++it) {
+    if (it->second.used < oldest->second.used) oldest = it;
+  }
+  records.erase(oldest);
+}
 
 }  // namespace
 
@@ -77,6 +89,7 @@ void Tuner::load_file() {
   if (path == path_ && loaded_) return;
   path_ = path;
   loaded_ = true;
+  drop_reported_ = false;
   records_.clear();
   if (path_.empty()) return;
   std::ifstream in(path_);
@@ -89,7 +102,8 @@ void Tuner::load_file() {
   std::string line;
   int number = 0;
   bool header = false;
-  std::map<std::string, TuneRecord> read;
+  std::map<std::string, Slot> read;
+  long beyond_bound = 0;  // records past kMaxTuneRecords (a file not written by this bound): not kept
   while (std::getline(in, line)) {
     ++number;
     if (line.empty() || line[0] == '#') continue;
@@ -128,9 +142,20 @@ void Tuner::load_file() {
       winner_listed = winner_listed || label == r.winner;
     }
     if (!winner_listed) return ignore("line " + std::to_string(number) + ": winner is not among the candidates");
-    read[fields[0]] = std::move(r);
+    // Lines are written least recently used first, so a later line is the more recent.
+    read[fields[0]] = Slot{std::move(r), ++use_clock_};
+    if (read.size() > kMaxTuneRecords) {
+      erase_least_recent(read);
+      ++beyond_bound;
+    }
   }
   if (!header) return ignore("no header line");
+  if (beyond_bound > 0) {
+    std::fprintf(stderr,
+                 "[gla] GLA_TUNE_FILE '%s' holds more than %zu records: the %ld first (least recently used) are "
+                 "not read, and leave the file at the next measurement\n",
+                 path_.c_str(), kMaxTuneRecords, beyond_bound);
+  }
   records_ = std::move(read);
 }
 
@@ -139,7 +164,13 @@ void Tuner::save_file() {
   std::ostringstream out;
   out << "# libgla tuning records of the `fastest` policy (GLA_TUNE_FILE): signature, winner, candidates and ms\n"
       << "libgla-tune " << kTuneFileFormat << ' ' << gla_version() << '\n';
-  for (const auto& [signature, r] : records_) {
+  // Least recently used first: the next process reads recency back from the order.
+  std::vector<const std::pair<const std::string, Slot>*> order;
+  for (const auto& entry : records_) order.push_back(&entry);
+  std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->second.used < b->second.used; });
+  for (const auto* entry : order) {
+    const std::string& signature = entry->first;
+    const TuneRecord& r = entry->second.record;
     bool ok = plain_name(signature);
     for (const auto& c : r.candidates) ok = ok && plain_name(c);
     if (!ok) continue;  // a name with a tab or newline cannot be written; measured again next process
@@ -173,8 +204,9 @@ bool Tuner::lookup(const std::string& signature, const std::vector<std::string>&
   std::lock_guard lock(mutex_);
   load_file();
   auto it = records_.find(signature);
-  if (it == records_.end() || it->second.candidates != candidates) return false;
-  out = it->second;
+  if (it == records_.end() || it->second.record.candidates != candidates) return false;
+  it->second.used = ++use_clock_;
+  out = it->second.record;
   return true;
 }
 
@@ -191,7 +223,10 @@ TuneRecord Tuner::get_or_measure(const std::string& signature, const std::vector
         continue;
       }
       auto it = records_.find(signature);
-      if (!remeasure && it != records_.end() && it->second.candidates == candidates) return it->second;
+      if (!remeasure && it != records_.end() && it->second.record.candidates == candidates) {
+        it->second.used = ++use_clock_;
+        return it->second.record;
+      }
       in_flight_.insert(signature);
       break;
     }
@@ -207,10 +242,30 @@ TuneRecord Tuner::get_or_measure(const std::string& signature, const std::vector
   }
   std::lock_guard lock(mutex_);
   in_flight_.erase(signature);
-  records_[signature] = record;
+  keep(signature, record);
   save_file();
   done_.notify_all();
   return record;
+}
+
+void Tuner::keep(const std::string& signature, const TuneRecord& record) {
+  records_[signature] = Slot{record, ++use_clock_};
+  while (records_.size() > kMaxTuneRecords) {
+    if (!path_.empty() && !drop_reported_) {
+      std::fprintf(stderr,
+                   "[gla] fastest: more than %zu signatures measured; the least recently used records are dropped, "
+                   "from GLA_TUNE_FILE '%s' too (reported once per file)\n",
+                   kMaxTuneRecords, path_.c_str());
+      drop_reported_ = true;
+    }
+    erase_least_recent(records_);
+  }
+}
+
+size_t Tuner::size() {
+  std::lock_guard lock(mutex_);
+  load_file();
+  return records_.size();
 }
 
 void Tuner::clear() {

@@ -2,10 +2,13 @@
 // and the winner. Process-wide and thread-safe; a signature is measured once even when many threads
 // meet it first at the same moment (the others wait for that measurement). With GLA_TUNE_FILE set
 // the records are read from that file at first use and the file is rewritten after each new
-// measurement, so a later process (or production, after `gla tune`) never pays for it.
+// measurement, so a later process (or production, after `gla tune`) never pays for it. At most
+// kMaxTuneRecords records are kept, in memory and in the file: the least recently used goes first.
 #pragma once
 
 #include <condition_variable>
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -45,19 +48,35 @@ class Tuner {
                             const std::function<TuneRecord()>& measure, bool remeasure);
   // Forgets every record (tests; the file is left alone).
   void clear();
+  // Records kept now (at most kMaxTuneRecords).
+  size_t size();
 
  private:
+  struct Slot {
+    TuneRecord record;
+    uint64_t used = 0;  // use_clock_ at the last measurement, load or use
+  };
   Tuner();
-  void load_file();  // both called with mutex_ held
+  void load_file();  // all called with mutex_ held
   void save_file();
+  // Stores the record, dropping the least recently used beyond kMaxTuneRecords.
+  void keep(const std::string& signature, const TuneRecord& record);
 
   std::mutex mutex_;
   std::condition_variable done_;
-  std::map<std::string, TuneRecord> records_;
+  std::map<std::string, Slot> records_;
+  uint64_t use_clock_ = 0;
+  bool drop_reported_ = false;  // the first drop from path_ has been reported on stderr
   std::set<std::string> in_flight_;
   std::string path_;     // the GLA_TUNE_FILE the records came from ("" = none)
   bool loaded_ = false;  // path_ has been read
 };
+
+// Records kept per process and per GLA_TUNE_FILE. Each is a few hundred bytes; unbounded, a fuzzing
+// run of the C ABI grew by ~100 MB per million distinct signatures. Least recently used is dropped
+// (not all at once, as the cuda plan cache does at 1024): the signatures a process keeps meeting stay
+// measured, and a file keeps the ones still in use. A dropped signature is measured again if met again.
+inline constexpr size_t kMaxTuneRecords = 1024;
 
 // Format of GLA_TUNE_FILE; a file of another format or library version is ignored (with a warning).
 inline constexpr int kTuneFileFormat = 1;

@@ -6,7 +6,13 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <thread>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 namespace {
 
@@ -77,6 +83,37 @@ TEST(Cli, ValidArgumentsStillRun) {
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("problem: chunk B=1 T=70 H=1 K=8 V=8 N=2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("PASS"), std::string::npos) << r.output;
+}
+
+// The cpu backend's thread pool is as large as the CPU affinity mask (taskset), not the machine's
+// CPU count; GLA_NUM_THREADS still overrides. The plan line of explain reports "... of N threads".
+TEST(Cli, CpuThreadsFollowTheAffinityMask) {
+#if defined(__linux__)
+  if (std::system("command -v taskset > /dev/null 2>&1") != 0) GTEST_SKIP() << "taskset not found: cannot pin the CLI";
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  ASSERT_EQ(sched_getaffinity(0, sizeof mask, &mask), 0);
+  if (std::thread::hardware_concurrency() < 2) {
+    GTEST_SKIP() << "one CPU online: a mask of one CPU cannot be told from the CPU count here";
+  }
+  int first = 0;
+  while (!CPU_ISSET(first, &mask)) ++first;
+  const std::string explain = "explain --backend cpu --B 1 --T 64 --H 8 --K 16 --V 16";
+  const std::string unset = "env -u GLA_NUM_THREADS ";
+  const std::string pin = "taskset -c " + std::to_string(first) + " ";
+  const Result pinned = run_cli(explain, unset + pin);
+  ASSERT_EQ(pinned.status, 0) << pinned.output;
+  EXPECT_NE(pinned.output.find("on 1 of 1 threads (GLA_NUM_THREADS, else the CPUs this process may run on)"),
+            std::string::npos) << pinned.output;
+  const Result free = run_cli(explain, unset);
+  ASSERT_EQ(free.status, 0) << free.output;
+  EXPECT_NE(free.output.find(" of " + std::to_string(CPU_COUNT(&mask)) + " threads"), std::string::npos) << free.output;
+  const Result forced = run_cli(explain, "GLA_NUM_THREADS=3 " + pin);
+  ASSERT_EQ(forced.status, 0) << forced.output;
+  EXPECT_NE(forced.output.find("on 3 of 3 threads"), std::string::npos) << forced.output;
+#else
+  GTEST_SKIP() << "CPU affinity masks are read on Linux only";
+#endif
 }
 
 }  // namespace

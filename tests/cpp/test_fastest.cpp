@@ -81,13 +81,17 @@ struct ExtCall {
   Inputs in;
   Outputs out, want;
   gla_chunk_forward_args args{};
-  explicit ExtCall(int64_t K, uint64_t seed = 7) {
-    Case c;
-    c.B = 2; c.T = 40; c.H = 2; c.K = K; c.V = 8; c.seed = seed;
+  explicit ExtCall(int64_t K, uint64_t seed = 7) : ExtCall(sized(K, seed)) {}
+  explicit ExtCall(const Case& c) {
     in = make_inputs(c);
     EXPECT_EQ(run_forward(in, want, {"reference"}), GLA_STATUS_OK) << gla_last_error();
     for (HostTensor* t : {&in.q, &in.k, &in.v, &in.g, &in.h0}) t->t.device_type = GLA_DEVICE_EXT;
     reset();
+  }
+  static Case sized(int64_t K, uint64_t seed) {
+    Case c;
+    c.B = 2; c.T = 40; c.H = 2; c.K = K; c.V = 8; c.seed = seed;
+    return c;
   }
   void reset() {
     args = forward_args(in, out);
@@ -220,6 +224,140 @@ TEST_F(Fastest, TuneFileRoundTrip) {
   EXPECT_EQ(fast.runs, kMeasureRuns + 2);
   EXPECT_LT(call.error(), 1e-12);
   std::remove(path.c_str());
+}
+
+// Tiny problems, a distinct signature each (H, K and V are exact in the signature).
+Case tiny(int64_t H, int64_t K, int64_t V) {
+  Case c;
+  c.B = 1; c.T = 1; c.H = H; c.K = K; c.V = V; c.seed = static_cast<uint64_t>(100 * H + 10 * K + V);
+  return c;
+}
+
+// The explain text's "<key><rest of the line>".
+std::string line_after(const std::string& text, const std::string& key) {
+  const size_t at = text.find(key);
+  if (at == std::string::npos) return "";
+  const size_t from = at + key.size();
+  return text.substr(from, text.find('\n', from) - from);
+}
+
+// The bound on the records explain() reports ("records kept: n of at most N").
+size_t record_bound(ExtCall& call) {
+  size_t kept = 0, bound = 0;
+  const std::string text = call.explain();
+  if (std::sscanf(line_after(text, "records kept: ").c_str(), "%zu of at most %zu", &kept, &bound) != 2) return 0;
+  return bound;
+}
+
+// The records are bounded (kMaxTuneRecords, src/core/tuner.hpp): past the bound the least recently
+// used signature is dropped and measured again when met again, while one in use stays. Fails without
+// the bound (the first signature is not measured again) and with clearing all at the bound (the one
+// in use is measured again).
+TEST_F(Fastest, RecordsAreBoundedLeastRecentlyUsedFirst) {
+  Costed& slow = backend("lru_slow", 2, 1, true);
+  backend("lru_fast", 1, 2, true);
+  ExtCall used_once(tiny(1, 13, 1)), in_use(tiny(1, 14, 1));
+  ASSERT_EQ(used_once.run(), GLA_STATUS_OK) << gla_last_error();
+  int64_t measured = kMeasureRuns;
+  ASSERT_EQ(used_once.run(), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_EQ(slow.runs, measured) << "measured again while cached";
+  const size_t bound = record_bound(used_once);
+  ASSERT_GE(bound, 2u) << used_once.explain();
+  ASSERT_LE(bound, 4096u) << "this test measures `bound` signatures";
+  ASSERT_EQ(in_use.run(), GLA_STATUS_OK) << gla_last_error();
+  measured += kMeasureRuns;
+
+  // Records of earlier tests, if any, are older still: dropped before these.
+  for (size_t i = 0; i < bound; ++i) {
+    const int64_t n = static_cast<int64_t>(i);
+    ExtCall other(tiny(1 + n / 144, 1 + n % 12, 1 + n / 12 % 12));
+    ASSERT_EQ(other.run(), GLA_STATUS_OK) << gla_last_error();
+    if (i % 64 == 0) {
+      ASSERT_EQ(in_use.run(), GLA_STATUS_OK) << gla_last_error();  // never the least recent
+    }
+  }
+  measured += static_cast<int64_t>(bound) * kMeasureRuns;
+  EXPECT_EQ(slow.runs, measured) << "the signature in use was measured again";
+  EXPECT_NE(in_use.explain().find("measured (in this process"), std::string::npos);
+
+  // The least recently used signature was dropped: met again, it is measured again.
+  ASSERT_EQ(used_once.run(), GLA_STATUS_OK) << gla_last_error();
+  measured += kMeasureRuns;
+  EXPECT_EQ(slow.runs, measured) << "not measured again after " << bound << " other signatures";
+  EXPECT_LT(used_once.error(), 1e-12);
+  EXPECT_NE(used_once.explain().find("records kept: " + std::to_string(bound) + " of at most"), std::string::npos)
+      << used_once.explain();
+}
+
+// GLA_TUNE_FILE holds the same bounded records, least recently used first: a file of one record more
+// than the bound is read without its first line; the next measurement drops the least recent record
+// (from the file too, said once on stderr) and the file keeps the rest.
+TEST_F(Fastest, TuneFileIsBoundedLeastRecentlyUsedFirst) {
+  Costed& slow = backend("lruf_slow", 2, 1, true);
+  backend("lruf_fast", 1, 2, true);
+  ExtCall oldest(tiny(1, 15, 1)), fresh(tiny(1, 16, 1));
+  const std::string path = ::testing::TempDir() + "gla_tune_bounded.txt";
+  const std::string full = ::testing::TempDir() + "gla_tune_bounded_full.txt";
+  std::remove(path.c_str());
+  set_env("GLA_TUNE_FILE", path.c_str());
+  ASSERT_EQ(oldest.run(), GLA_STATUS_OK) << gla_last_error();
+  const size_t bound = record_bound(oldest);
+  ASSERT_GE(bound, 2u) << oldest.explain();
+
+  // The library's own line for `oldest`, and copies of it under made-up signatures.
+  std::string header, record, line;
+  {
+    std::ifstream in(path);
+    while (std::getline(in, line)) {
+      const bool is_header = line.empty() || line[0] == '#' || line.rfind("libgla-tune ", 0) == 0;
+      (is_header ? header : record) += line + "\n";
+    }
+  }
+  const std::string signature = record.substr(0, record.find('\t'));
+  const std::string rest = record.substr(record.find('\t'));
+  ASSERT_FALSE(signature.empty()) << read_file(path);
+  {
+    std::ofstream out(full, std::ios::trunc);
+    out << header << "made-up 0" << rest << record;
+    for (size_t i = 1; i < bound; ++i) out << "made-up " << i << rest;
+  }
+  set_env("GLA_TUNE_FILE", full.c_str());
+  ::testing::internal::CaptureStderr();
+  ASSERT_EQ(fresh.run(), GLA_STATUS_OK) << gla_last_error();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(slow.runs, 2 * kMeasureRuns);
+  const std::string over = "'" + full + "' holds more than " + std::to_string(bound) + " records: the 1 first";
+  EXPECT_NE(err.find(over), std::string::npos) << err;
+  const std::string dropped = "least recently used records are dropped, from GLA_TUNE_FILE '" + full + "' too";
+  EXPECT_NE(err.find(dropped), std::string::npos) << err;
+
+  size_t records = 0;
+  bool has_first = false, has_oldest = false, has_second = false, has_fresh = false;
+  const std::string fresh_signature = line_after(fresh.explain(), "signature: ");
+  ASSERT_FALSE(fresh_signature.empty());
+  std::ifstream in(full);
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#' || line.rfind("libgla-tune ", 0) == 0) continue;
+    ++records;
+    has_first = has_first || line.rfind("made-up 0\t", 0) == 0;
+    has_second = has_second || line.rfind("made-up 1\t", 0) == 0;
+    has_oldest = has_oldest || line.rfind(signature + "\t", 0) == 0;
+    has_fresh = has_fresh || line.rfind(fresh_signature + "\t", 0) == 0;
+  }
+  EXPECT_EQ(records, bound);
+  EXPECT_FALSE(has_first) << "the line beyond the bound was kept";
+  EXPECT_FALSE(has_oldest) << "the least recently used record was kept";
+  EXPECT_TRUE(has_second);
+  EXPECT_TRUE(has_fresh);
+
+  // Dropped from the file: measured again.
+  ::testing::internal::CaptureStderr();
+  ASSERT_EQ(oldest.run(), GLA_STATUS_OK) << gla_last_error();
+  EXPECT_EQ(::testing::internal::GetCapturedStderr().find(dropped), std::string::npos) << "reported more than once";
+  EXPECT_EQ(slow.runs, 3 * kMeasureRuns);
+  EXPECT_LT(oldest.error(), 1e-12);
+  std::remove(path.c_str());
+  std::remove(full.c_str());
 }
 
 TEST_F(Fastest, CorruptOrStaleFileIsIgnoredWithAWarning) {

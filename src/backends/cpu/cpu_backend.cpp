@@ -190,10 +190,22 @@ class CpuBackend final : public Backend {
     return {};
   }
 
+  // The kernels and the threads `run` would use.
+  std::string plan_note(const gla_problem& p) const override {
+    const int budget = host_thread_count();
+    const bool recurrent = p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD;
+    const int64_t items = recurrent ? p.N * p.H : select_kernels().item_count(p, budget);
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(budget, items));
+    return (recurrent ? std::string("token loop") : std::string(select_kernels().isa) + " kernels") + ", " +
+           std::to_string(items) +
+           " work items on " + std::to_string(threads) + " of " + std::to_string(budget) +
+           " threads (GLA_NUM_THREADS, else the CPUs this process may run on)";
+  }
+
   void run(const gla_problem& p) override {
     if (p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD) return run_recurrent(p);
     const KernelTable& kernels = select_kernels();
-    const int budget = host_thread_count();  // GLA_NUM_THREADS, else the hardware's
+    const int budget = host_thread_count();  // GLA_NUM_THREADS, else the CPUs this process may run on
     const int64_t items = kernels.item_count(p, budget);
     if (items <= 0) return;
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(budget, items));
