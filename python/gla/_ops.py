@@ -181,9 +181,10 @@ def _chunk_bwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, d
 
 # ---- autograd ----
 # Registered on gla::chunk_fwd for torch.compile, torch.func transforms, opcheck and direct calls of
-# the op. Eager calls of gla.chunk_gla take `forward` below instead: the same formula as a plain
-# autograd.Function over the op below the autograd key, which skips torch.library's Python autograd
-# wrapper (about 80 us per call on CPU tensors, measured in bench/results/python_overhead.md).
+# the op. Eager calls of gla.chunk_gla take _ChunkFwd below instead: the same formula as a plain
+# autograd.Function over gla::chunk_fwd_no_autograd, which skips torch.library's Python autograd
+# wrapper (about 80 us per call on CPU tensors, measured in bench/results/python_overhead.md). The
+# backward op has no autograd kernel and runs below the key (_below_autograd).
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
