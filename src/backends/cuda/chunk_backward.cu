@@ -6,6 +6,7 @@
 
 #include "backends/cuda/chunk_backward_dqk_kernel.cuh"
 #include "backends/cuda/chunk_backward_scan.cuh"
+#include "backends/cuda/kernel_attributes.cuh"
 
 namespace gla::cuda {
 namespace backward {
@@ -199,32 +200,27 @@ cudaError_t launch_values(const BackwardParams& p, const BackwardPlan& plan, cha
   return launch_forward(f, plan.values, plan.values_workspace ? workspace + plan.values_workspace : nullptr, stream);
 }
 
-template <typename Kernel>
-cudaError_t allow_shared(Kernel kernel, size_t bytes) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-}
-
 template <typename E>
 cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, const Workspace& ws, void* base,
                          cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
-  const int tiles = plan.key_tiles * plan.value_tiles;
+  const int tiles = plan.key_tiles * plan.scan_value_groups;
   if (p.N > 0) {
     const size_t scan_bytes = sizeof(ScanShared);
     const dim3 grid(static_cast<unsigned>(p.N * plan.scan_segments), static_cast<unsigned>(p.H), 2 * tiles);
     if (plan.scan_segment_chunks > 0) {
-      if ((err = allow_shared(state_scan_kernel<E, true>, scan_bytes)) != cudaSuccess) return err;
+      if ((err = detail::allow_dynamic_shared_memory<state_scan_kernel<E, true>>(scan_bytes, detail::Carveout::kMaxShared)) != cudaSuccess) return err;
       state_scan_kernel<E, true><<<grid, kScanThreads, scan_bytes, stream>>>(p, plan, ws);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
     }
-    if ((err = allow_shared(state_scan_kernel<E, false>, scan_bytes)) != cudaSuccess) return err;
+    if ((err = detail::allow_dynamic_shared_memory<state_scan_kernel<E, false>>(scan_bytes, detail::Carveout::kMaxShared)) != cudaSuccess) return err;
     state_scan_kernel<E, false><<<grid, kScanThreads, scan_bytes, stream>>>(p, plan, ws);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.num_chunks == 0) return cudaSuccess;
   if (p.dq != nullptr || p.dk != nullptr || p.dg != nullptr) {
     const size_t bytes = sizeof(DqkShared<E>);
-    if ((err = allow_shared(dqk_kernel<E>, bytes)) != cudaSuccess) return err;
+    if ((err = detail::allow_dynamic_shared_memory<dqk_kernel<E>>(bytes, detail::Carveout::kMaxShared)) != cudaSuccess) return err;
     dqk_kernel<E><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.H), plan.key_tiles),
                     kGradThreads, bytes, stream>>>(p, plan, ws);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -250,6 +246,7 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
   BackwardPlan plan;
   plan.key_tiles = static_cast<int32_t>((p.K + backward::kTile - 1) / backward::kTile);
   plan.value_tiles = static_cast<int32_t>((p.V + backward::kTile - 1) / backward::kTile);
+  plan.scan_value_groups = static_cast<int32_t>((p.V + backward::kScanValues - 1) / backward::kScanValues);
   const size_t state_bytes = static_cast<size_t>(p.num_chunks) * p.H * p.K * p.V * sizeof(backward::StateElement);
   size_t at = 0;
   plan.chunk_offsets = at;
@@ -263,18 +260,18 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
     at = align256(at + static_cast<size_t>(plan.key_tiles) * p.B * p.T * p.H * sizeof(float));
   }
   // Segment split of the state walks: when the walks (sequences x heads x blocks x 2) fill less
-  // than one wave of the GPU (4 CTAs per SM), cut them into segments of at least 8 chunks that fill
+  // than one wave of the GPU (2 CTAs per SM), cut them into segments of at least 8 chunks that fill
   // two. A split walk costs about twice the chunk updates (the local pass): at B8 T4096 H16 D128
-  // (1024 walks, 1.9 waves) a split into 2 segments made fwd+bwd slower, 5.32 -> 6.01 ms; at B1
-  // T32768 H16 (128 walks) a split into 8 made it faster, 8.91 -> 7.16 ms.
+  // (1.9 waves) a split into 2 segments made fwd+bwd slower, 5.32 -> 6.01 ms; at B1 T32768 H16
+  // D128 (a quarter of a wave) a split into 8 made it faster, 8.91 -> 7.16 ms.
   {
     int64_t max_chunks = 0;
     for (int64_t n = 0; n < p.N; ++n) {
       const int64_t c = (seq_offsets[n + 1] - seq_offsets[n] + backward::kChunk - 1) / backward::kChunk;
       max_chunks = c > max_chunks ? c : max_chunks;
     }
-    const int64_t walks = p.N * p.H * 2 * plan.key_tiles * plan.value_tiles;
-    const int64_t slots = int64_t(sm_count > 0 ? sm_count : 1) * 4;
+    const int64_t walks = p.N * p.H * 2 * plan.key_tiles * plan.scan_value_groups;
+    const int64_t slots = int64_t(sm_count > 0 ? sm_count : 1) * 2;
     if (walks > 0 && walks < slots && max_chunks >= 16) {
       const int64_t want = (2 * slots + walks - 1) / walks;
       int64_t seg = (max_chunks + want - 1) / want;
@@ -283,9 +280,9 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
       if (segments > 1) {
         plan.scan_segment_chunks = seg;
         plan.scan_segments = segments;
-        const size_t blocks = static_cast<size_t>(p.N) * segments * p.H * 2 * plan.key_tiles * plan.value_tiles;
+        const size_t blocks = static_cast<size_t>(p.N) * segments * p.H * 2 * plan.key_tiles * plan.scan_value_groups;
         plan.segment_states = at;
-        at = align256(at + blocks * backward::kTile * backward::kTile * sizeof(float));
+        at = align256(at + blocks * backward::kTile * backward::kScanValues * sizeof(float));
         plan.segment_decay = at;
         at = align256(at + blocks * backward::kTile * sizeof(float));
       }

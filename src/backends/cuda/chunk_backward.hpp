@@ -5,7 +5,7 @@
 // and value dimensions (any K and V):
 //   chunk offsets  one CTA: each sequence's first global chunk, from device cu_seqlens (no host copy,
 //                  so the backward captures into CUDA graphs).
-//   state scans    one CTA per (sequence, head, key tile, value tile) and direction: the forward walk
+//   state scans    one CTA per (sequence, head, 64 keys, 128 values) and direction: the forward walk
 //                  recomputes every chunk-start state S_c, the reverse walk every end-of-chunk state
 //                  gradient dS_{c+1} and dh0; both bf16 in the workspace. The transition is
 //                  diagonal in the keys, so key tiles are independent walks.
@@ -70,6 +70,7 @@ struct BackwardParams {
 struct BackwardPlan {
   int32_t key_tiles = 0;    // ceil(K / 64)
   int32_t value_tiles = 0;  // ceil(V / 64)
+  int32_t scan_value_groups = 0;  // ceil(V / 128): the state walks' value blocks
   size_t chunk_offsets = 0;  // int64 [N + 1]: first global chunk of each sequence
   size_t states = 0;         // bf16 [num_chunks, H, K, V]: S_c, the state before chunk c
   size_t state_grads = 0;    // bf16 [num_chunks, H, K, V]: dS_{c+1}, dL/d(state after chunk c)
@@ -77,8 +78,8 @@ struct BackwardPlan {
   // The state walks' segment split (scan_segment_chunks 0: one CTA walks each whole sequence).
   int64_t scan_segment_chunks = 0;
   int64_t scan_segments = 1;  // per sequence (grid)
-  size_t segment_states = 0;  // fp32 [N, scan_segments, H, 2 * key_tiles * value_tiles, 64, 64]
-  size_t segment_decay = 0;   // fp32 [N, scan_segments, H, 2 * key_tiles * value_tiles, 64]
+  size_t segment_states = 0;  // fp32 [N, scan_segments, H, 2 * key_tiles * scan_value_groups, 64, 128]
+  size_t segment_decay = 0;   // fp32 [N, scan_segments, H, 2 * key_tiles * scan_value_groups, 64]
   // dv by the reversed forward (dv wanted only; else values.kernel is unused and the sizes are 0):
   ForwardPlan values;              // the forward's plan for the reversed problem
   size_t values_workspace = 0;     // the forward's own workspace (values.workspace_bytes)

@@ -106,13 +106,13 @@ __device__ __forceinline__ void load_tile(Tile16<NT>& regs, const void* base, co
   }
 }
 
-// Stores a loaded tile into shared memory with row pitch kLd16.
+// Stores a loaded tile into shared memory with row pitch `pitch` (elements, a multiple of 8).
 template <typename E, int NT>
-__device__ __forceinline__ void store_tile(E* dst, const Tile16<NT>& regs, int tid) {
+__device__ __forceinline__ void store_tile(E* dst, const Tile16<NT>& regs, int tid, int pitch = kLd16) {
 #pragma unroll
   for (int i = 0; i < Tile16<NT>::kGroups; ++i) {
     const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8;
-    *reinterpret_cast<uint4*>(dst + r * kLd16 + c) = regs.r[i];
+    *reinterpret_cast<uint4*>(dst + r * pitch + c) = regs.r[i];
   }
 }
 
@@ -164,9 +164,14 @@ __device__ __forceinline__ void load_gate_tile(GateTile<NT>& regs, const Backwar
 }
 
 // b[t][c] = chunk-local inclusive cumsum of the loaded gate (row pitch kTile, fp32). Rows past the
-// chunk read g = 0, so they hold b_last.
+// chunk read g = 0, so they hold b_last. Thread (column tid % 64, row group tid / 64) sums its
+// 64 / (NT / 64) rows, then adds the earlier groups' sums (`group_sums`, [NT / 64][64] floats) in
+// group order: a dependent chain of 64 / (NT / 64) + NT / 64 adds instead of 64 (a fixed order, so
+// reruns are bitwise).
 template <int NT>
-__device__ __forceinline__ void gate_cumsum(float* b, const GateTile<NT>& regs, int tid) {
+__device__ __forceinline__ void gate_cumsum(float* b, const GateTile<NT>& regs, float* group_sums, int tid) {
+  static_assert(NT % kTile == 0 && NT <= kChunk * kTile / 8, "whole row groups, at least one row each");
+  constexpr int kGroupsOfRows = NT / kTile, kRows = kChunk / kGroupsOfRows;
 #pragma unroll
   for (int i = 0; i < GateTile<NT>::kGroups; ++i) {
     const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8;
@@ -174,13 +179,25 @@ __device__ __forceinline__ void gate_cumsum(float* b, const GateTile<NT>& regs, 
     *reinterpret_cast<float4*>(b + r * kTile + c + 4) = make_float4(regs.r[i][4], regs.r[i][5], regs.r[i][6], regs.r[i][7]);
   }
   __syncthreads();
-  if (tid < kTile) {
-    float acc = 0.0f;
-#pragma unroll 8
-    for (int r = 0; r < kChunk; ++r) {
-      acc += b[r * kTile + tid];
-      b[r * kTile + tid] = acc;
-    }
+  const int c = tid % kTile, group = tid / kTile, r0 = group * kRows;
+  float x[kRows];
+  float sum = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    x[r] = b[(r0 + r) * kTile + c];
+    sum += x[r];
+  }
+  group_sums[group * kTile + c] = sum;
+  __syncthreads();
+  float acc = 0.0f;
+#pragma unroll
+  for (int g = 0; g < kGroupsOfRows - 1; ++g) {
+    if (g < group) acc += group_sums[g * kTile + c];
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    acc += x[r];
+    b[(r0 + r) * kTile + c] = acc;
   }
   __syncthreads();
 }

@@ -20,11 +20,13 @@
 
 namespace gla::cuda::backward {
 
-// 16 warps, one CTA per SM (the shared memory allows one): twice the warps of the first version
-// (8) to hide the latency of the tile loads and the shared-memory passes.
-constexpr int kGradThreads = 512;
+// 8 warps, two CTAs per SM (113.7 KB of shared memory and <= 128 registers each): one CTA's loads
+// and shared-memory passes overlap the other's, where one CTA of 16 warps waited at its barriers.
+constexpr int kGradThreads = 256;
 constexpr int kGradWarps = kGradThreads / 32;
 constexpr int kTilesPerWarp = 16 / kGradWarps;  // of the 16 output tiles 16 x 16 of a 64 x 64 block
+constexpr int kRowGroups = kGradThreads / kTile;  // a thread per (column, group of rows) in the column sums
+constexpr int kGroupRows = kChunk / kRowGroups;
 constexpr int kStackRows = 96;  // 16 + 32 + 48 rows of pivoted keys (or queries) for three blocks
 
 // First row of query block i's pivoted keys (i = 1..3) and of key block j's pivoted queries (j = 0..2)
@@ -50,12 +52,13 @@ struct DqkShared {
       alignas(128) float dk[kChunk * kLd32];
     } grad;
   } u;
-  alignas(128) E key_stack[kStackRows * kLd16];
-  alignas(128) E query_stack[kStackRows * kLd16];
+  // The pivoted keys of dq's off-diagonal blocks, then (once those are done) the pivoted queries of
+  // dk's: one buffer, so that two CTAs fit on an SM.
+  alignas(128) E stack[kStackRows * kLd16];
   alignas(128) float tmp[kChunk * kLd32];
   float rowsum[kTile];
   float dk_inter_sum[kTile];
-  float column_part[kGradThreads / kTile][kTile];  // per-column partial sums of 8-row groups (dk_inter_sum, dg)
+  float column_part[kRowGroups][kTile];  // per-column partial sums of row groups (gate cumsum, dk_inter_sum, dg)
 };
 
 // Rows t of one row set (SET 0: t mod 4 in {0, 3}; SET 1: {1, 2}) of the diagonal block at r0, column
@@ -84,7 +87,7 @@ __device__ __forceinline__ void diagonal_rows(DqkShared<E>& sh, int c, int r0, f
 
 // grid: (num_chunks, H, key_tiles)
 template <typename E>
-__global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
+__global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
   namespace wmma = nvcuda::wmma;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   DqkShared<E>& sh = *reinterpret_cast<DqkShared<E>*>(smem_raw);
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
     load_tile(k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
     store_tile(sh.q, q, tid);
     store_tile(sh.k, k, tid);
-    gate_cumsum(sh.b, gate, tid);
+    gate_cumsum(sh.b, gate, &sh.column_part[0][0], tid);
   }
 
   // ---- over the value tiles: dA = do vᵀ, Pq = do S_cᵀ, Pk = v dS_{c+1}ᵀ, rowsum(S_c ⊙ dS_{c+1}) ----
@@ -113,7 +116,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
     wmma::fill_fragment(acc_q[i], 0.0f);
     wmma::fill_fragment(acc_k[i], 0.0f);
   }
-  // rowsum(S_c ⊙ dS_{c+1}) partials: group i of this thread covers row (tid + 256 i) / 8.
+  // rowsum(S_c ⊙ dS_{c+1}) partials: group i of this thread covers row (tid + kGradThreads i) / 8.
   constexpr int kStateGroups = Tile16<kGradThreads>::kGroups;
   float rowsum_part[kStateGroups];
 #pragma unroll
@@ -188,10 +191,10 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
     wmma::store_matrix_sync(sh.tmp + 16 * ti * kLd32 + 16 * tj, acc_dA[i], kLd32, wmma::mem_row_major);
   }
   __syncthreads();
-  // ---- inter-chunk terms, dA in 16 bits, the pivoted stacks ----
-  // Thread tid covers column tid % 64 at rows tid / 64 + 8 i (512 threads): its part of
+  // ---- inter-chunk terms, dA in 16 bits, the pivoted keys ----
+  // Thread tid covers column tid % 64 at rows tid / 64 + kRowGroups i: its part of
   // Σ_s k_s ⊙ dk_s^inter goes to column_part, summed per column below in a fixed order.
-  static_assert(kGradThreads == 8 * kTile, "one column and eight row groups per thread set");
+  static_assert(kGradThreads % kTile == 0, "whole columns per thread set");
   {
     float inter_part = 0.0f;
     for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
@@ -206,23 +209,18 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
     sh.column_part[tid >> 6][tid & 63] = inter_part;
   }
   for (int e = tid; e < kStackRows * kTile; e += kGradThreads) {
-    const int r = e >> 6, c = e & 63;
     // Keys of query block i (rows s < 16i), pivoted at e_{i-1} = 16i - 1.
+    const int r = e >> 6, c = e & 63;
     const int i = r < 16 ? 1 : (r < 48 ? 2 : 3);
     const int s = r - key_stack_row(i);
     const float pivot_k = sh.b[(16 * i - 1) * kTile + c];
-    sh.key_stack[r * kLd16 + c] = from_float<E>(to_float(sh.k[s * kLd16 + c]) * detail::fast_exp2(pivot_k - sh.b[s * kTile + c]));
-    // Queries of key block j (rows t >= 16(j+1)), pivoted at e_j = 16j + 15.
-    const int j = r < 48 ? 0 : (r < 80 ? 1 : 2);
-    const int t = 16 * (j + 1) + r - query_stack_row(j);
-    const float pivot_q = sh.b[(16 * j + 15) * kTile + c];
-    sh.query_stack[r * kLd16 + c] = from_float<E>(to_float(sh.q[t * kLd16 + c]) * detail::fast_exp2(sh.b[t * kTile + c] - pivot_q));
+    sh.stack[r * kLd16 + c] = from_float<E>(to_float(sh.k[s * kLd16 + c]) * detail::fast_exp2(pivot_k - sh.b[s * kTile + c]));
   }
   __syncthreads();
   if (tid < kTile) {
     float acc = 0.0f;
 #pragma unroll
-    for (int g = 0; g < kGradThreads / kTile; ++g) acc += sh.column_part[g][tid];
+    for (int g = 0; g < kRowGroups; ++g) acc += sh.column_part[g][tid];
     sh.dk_inter_sum[tid] = acc;
   }
 
@@ -235,7 +233,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
       FragA<E> a;
       FragB<E> bf;
       wmma::load_matrix_sync(a, sh.dA + 16 * i * kLd16 + 16 * j, kLd16);
-      wmma::load_matrix_sync(bf, sh.key_stack + (key_stack_row(i) + 16 * j) * kLd16 + 16 * kt, kLd16);
+      wmma::load_matrix_sync(bf, sh.stack + (key_stack_row(i) + 16 * j) * kLd16 + 16 * kt, kLd16);
       wmma::mma_sync(acc, a, bf, acc);
     }
     wmma::store_matrix_sync(sh.tmp + 16 * i * kLd32 + 16 * kt, acc, kLd32, wmma::mem_row_major);
@@ -245,6 +243,15 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
     const int t = 16 + (e >> 6), c = e & 63, i = t >> 4;
     const float pivot = sh.b[(16 * i - 1) * kTile + c];
     sh.u.grad.dq[t * kLd32 + c] += sh.tmp[t * kLd32 + c] * detail::fast_exp2(sh.b[t * kTile + c] - pivot);
+  }
+  // The pivoted keys are done with: the stack takes the queries of key block j (rows t >= 16(j+1)),
+  // pivoted at e_j = 16j + 15.
+  for (int e = tid; e < kStackRows * kTile; e += kGradThreads) {
+    const int r = e >> 6, c = e & 63;
+    const int j = r < 48 ? 0 : (r < 80 ? 1 : 2);
+    const int t = 16 * (j + 1) + r - query_stack_row(j);
+    const float pivot_q = sh.b[(16 * j + 15) * kTile + c];
+    sh.stack[r * kLd16 + c] = from_float<E>(to_float(sh.q[t * kLd16 + c]) * detail::fast_exp2(sh.b[t * kTile + c] - pivot_q));
   }
   __syncthreads();
   // ---- off-diagonal blocks of dk: key block j = 0..2 ----
@@ -256,7 +263,7 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
       FragAT<E> a;  // dA_ijᵀ
       FragB<E> bf;
       wmma::load_matrix_sync(a, sh.dA + 16 * i * kLd16 + 16 * j, kLd16);
-      wmma::load_matrix_sync(bf, sh.query_stack + (query_stack_row(j) + 16 * (i - j - 1)) * kLd16 + 16 * kt, kLd16);
+      wmma::load_matrix_sync(bf, sh.stack + (query_stack_row(j) + 16 * (i - j - 1)) * kLd16 + 16 * kt, kLd16);
       wmma::mma_sync(acc, a, bf, acc);
     }
     wmma::store_matrix_sync(sh.tmp + 16 * j * kLd32 + 16 * kt, acc, kLd32, wmma::mem_row_major);
@@ -269,36 +276,32 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
   }
   __syncthreads();
 
-  // ---- diagonal blocks, element-wise: thread (column c, block i, row set) ----
+  // ---- diagonal blocks, element-wise: thread (column c, block i) ----
   // The two row sets {0,3,4,7,8,11,12,15} and {1,2,5,6,9,10,13,14} hold 68 of the block's 136
   // (t, s) pairs each; set 0 adds its dk terms first, then set 1 (a fixed order: reruns are bitwise).
+  static_assert(kGradThreads == 4 * kTile, "one thread per (column, diagonal block)");
   {
-    const int c = tid & 63, i = (tid >> 6) & 3, set = tid >> 8, r0 = 16 * i;
+    const int c = tid & 63, r0 = 16 * (tid >> 6);
     float dk_local[16];
-    if (set == 0) diagonal_rows<0, E>(sh, c, r0, dk_local);
-    else diagonal_rows<1, E>(sh, c, r0, dk_local);
-    if (set == 0) {
+    diagonal_rows<0, E>(sh, c, r0, dk_local);
 #pragma unroll
-      for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
-    }
-    __syncthreads();
-    if (set == 1) {
+    for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
+    diagonal_rows<1, E>(sh, c, r0, dk_local);
 #pragma unroll
-      for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
-    }
+    for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
   }
   __syncthreads();
 
   // ---- dg: reverse cumsum of x = q ⊙ dq - k ⊙ dk plus the chunk-end terms ----
-  // Thread (column c, row group r of 8 rows): the group's sum, then the suffix of the later groups
-  // and the chunk-end terms, then its own rows in reverse (a fixed order: reruns are bitwise).
+  // Thread (column c, row group of kGroupRows rows): the group's sum, then the suffix of the later
+  // groups and the chunk-end terms, then its own rows in reverse (a fixed order: reruns are bitwise).
   if (p.dg != nullptr) {
-    const int c = tid & 63, group = tid >> 6, t0 = 8 * group;
+    const int c = tid & 63, group = tid >> 6, t0 = kGroupRows * group;
     const int last_row = static_cast<int>(rows) - 1;
-    float x[8];
+    float x[kGroupRows];
     float part = 0.0f;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
+    for (int r = 0; r < kGroupRows; ++r) {
       const int t = t0 + r;
       x[r] = to_float(sh.q[t * kLd16 + c]) * sh.u.grad.dq[t * kLd32 + c] -
              to_float(sh.k[t * kLd16 + c]) * sh.u.grad.dk[t * kLd32 + c];
@@ -307,9 +310,9 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
     sh.column_part[group][c] = part;
     __syncthreads();
     float acc = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + c]) * sh.rowsum[c] + sh.dk_inter_sum[c];
-    for (int g = kGradThreads / kTile - 1; g > group; --g) acc += sh.column_part[g][c];
+    for (int g = kRowGroups - 1; g > group; --g) acc += sh.column_part[g][c];
 #pragma unroll
-    for (int r = 7; r >= 0; --r) {
+    for (int r = kGroupRows - 1; r >= 0; --r) {
       const int t = t0 + r;
       if (t <= last_row) {
         acc += x[r];
@@ -342,27 +345,28 @@ __global__ void __launch_bounds__(kGradThreads, 1) dqk_kernel(BackwardParams p, 
     }
   }
   if (p.vector_dqk) {
-    // 16-byte stores: thread tid writes row tid / 8, columns 8 (tid % 8) .. + 7 (K % 8 == 0).
-    static_assert(kChunk * kTile / 8 == kGradThreads, "one 16-byte group per thread");
-    const int t = tid >> 3, c = (tid & 7) * 8;
-    if (t < rows && c < kv) {
-      const int64_t tok = ch.t0 + t;
-      auto pack = [&](const float* row) {
-        uint32_t w[4];
+    // 16-byte stores: group e is row e / 8, columns 8 (e % 8) .. + 7 (K % 8 == 0).
+    for (int e = tid; e < kChunk * kTile / 8; e += kGradThreads) {
+      const int t = e >> 3, c = (e & 7) * 8;
+      if (t < rows && c < kv) {
+        const int64_t tok = ch.t0 + t;
+        auto pack = [&](const float* row) {
+          uint32_t w[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const E lo = from_float<E>(row[2 * j]), hi = from_float<E>(row[2 * j + 1]);
-          w[j] = uint32_t(reinterpret_cast<const uint16_t&>(lo)) | (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
+          for (int j = 0; j < 4; ++j) {
+            const E lo = from_float<E>(row[2 * j]), hi = from_float<E>(row[2 * j + 1]);
+            w[j] = uint32_t(reinterpret_cast<const uint16_t&>(lo)) | (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
+          }
+          return make_uint4(w[0], w[1], w[2], w[3]);
+        };
+        if (p.dq != nullptr) {
+          *reinterpret_cast<uint4*>(static_cast<E*>(p.dq) + ch.batch * p.dq_stride[0] + tok * p.dq_stride[1] +
+                                    h * p.dq_stride[2] + k0 + c) = pack(sh.u.grad.dq + t * kLd32 + c);
         }
-        return make_uint4(w[0], w[1], w[2], w[3]);
-      };
-      if (p.dq != nullptr) {
-        *reinterpret_cast<uint4*>(static_cast<E*>(p.dq) + ch.batch * p.dq_stride[0] + tok * p.dq_stride[1] +
-                                  h * p.dq_stride[2] + k0 + c) = pack(sh.u.grad.dq + t * kLd32 + c);
-      }
-      if (p.dk != nullptr) {
-        *reinterpret_cast<uint4*>(static_cast<E*>(p.dk) + ch.batch * p.dk_stride[0] + tok * p.dk_stride[1] +
-                                  h * p.dk_stride[2] + k0 + c) = pack(sh.u.grad.dk + t * kLd32 + c);
+        if (p.dk != nullptr) {
+          *reinterpret_cast<uint4*>(static_cast<E*>(p.dk) + ch.batch * p.dk_stride[0] + tok * p.dk_stride[1] +
+                                    h * p.dk_stride[2] + k0 + c) = pack(sh.u.grad.dk + t * kLd32 + c);
+        }
       }
     }
     return;

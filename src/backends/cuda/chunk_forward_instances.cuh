@@ -4,6 +4,7 @@
 
 #include "backends/cuda/chunk_forward_kernel.cuh"
 #include "backends/cuda/chunk_forward_ws_kernel.cuh"
+#include "backends/cuda/kernel_attributes.cuh"
 
 namespace gla::cuda::detail {
 
@@ -17,12 +18,8 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
   const ChunkSmem L = chunk_smem_layout(DK, BV, gate_bytes, p.gate_per_head != 0);
   auto kernel = chunk_forward_kernel<DK, E>;
-  // Raise the dynamic shared-memory limit once per instantiation and size.
-  static int raised = 0;
-  if (raised < L.total) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.total);
-    if (err != cudaSuccess) return err;
-    raised = L.total;
+  if (const cudaError_t err = allow_dynamic_shared_memory<chunk_forward_kernel<DK, E>>(L.total); err != cudaSuccess) {
+    return err;
   }
   const int64_t max_segments = plan.max_segments;
   SegmentArgs sa{};
@@ -56,14 +53,10 @@ cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* 
   const int smem_bytes = ws_smem_layout(DK, per_head, 16 / RS).total;
   auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, ACC>;
   auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;  // pass 1 of a segment split
-  static int raised = 0;
-  if (raised < smem_bytes) {
-    cudaError_t err = cudaSuccess;
-    for (auto k : {kernel, local_kernel}) {
-      if (err == cudaSuccess) err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    }
+  {
+    cudaError_t err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 0, ACC>>(smem_bytes);
+    if (err == cudaSuccess) err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 1>>(smem_bytes);
     if (err != cudaSuccess) return err;
-    raised = smem_bytes;
   }
   SegmentArgs sa{};
   sa.segment_chunks = plan.segment_chunks;

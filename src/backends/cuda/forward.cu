@@ -92,11 +92,9 @@ cudaError_t run_recurrent(const ForwardParams& p, cudaStream_t stream) {
   const int value_tiles = static_cast<int>((p.V + 31) / 32);
   const size_t smem = (size_t(kRecTokens) * p.K * 3 + kRecTokens * 32 + kRecTokens * 8 * 32) * sizeof(float);
   auto kernel = recurrent_forward_kernel<KR>;
-  static size_t raised = 0;
-  if (smem > 48 * 1024 && raised < smem) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (smem > 48 * 1024) {
+    const cudaError_t err = allow_dynamic_shared_memory<recurrent_forward_kernel<KR>>(smem);
     if (err != cudaSuccess) return err;
-    raised = smem;
   }
   const dim3 grid(static_cast<unsigned>(p.N * value_tiles), static_cast<unsigned>(p.H));
   kernel<<<grid, kRecThreads, smem, stream>>>(p, value_tiles);
