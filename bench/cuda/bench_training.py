@@ -19,6 +19,13 @@ runs so fla starts warm. --fla-tune-ms WARMUP,REP shortens the autotune's timing
 configuration (Triton's default is 25 ms of warm-up and 100 ms of repetitions per configuration;
 5,20 still times each candidate over tens to hundreds of calls and autotunes ~5x faster). The
 timings in the table are this script's own, of the configuration fla chose.
+
+Most of fla's first-call cost is compiling its candidate configurations, one after another.
+--fla-compile-only runs fla's forward and backward once per case in child processes, one per case
+and all at once, with Triton's autotune results not kept (TRITON_CACHE_AUTOTUNING unset in them):
+the compiled candidates land in TRITON_CACHE_DIR, and the measuring run that follows (same
+TRITON_CACHE_DIR) autotunes on a quiet GPU from those binaries instead of compiling. The children's
+own autotune timings overlap each other and are thrown away.
 """
 import argparse
 import json
@@ -119,16 +126,48 @@ def rel_rms(a, b):
     return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
 
 
+def compile_fla(cases):
+    """--fla-compile-only: one child per case runs fla's forward and backward once; returns when all
+    have finished (0 if every child succeeded)."""
+    import os
+    import subprocess
+    env = dict(os.environ)
+    env.pop("TRITON_CACHE_AUTOTUNING", None)
+    children = [subprocess.Popen([sys.executable, __file__, "--fla-compile-child", label], env=env) for label, *_ in cases]
+    codes = [c.wait() for c in children]
+    for (label, *_), code in zip(cases, codes):
+        print(f"fla compiled for {label}: exit {code}", flush=True)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def compile_child(label):
+    from fla.ops.gla import chunk_gla as fla_chunk_gla
+    (_, B, T, H, K, V, cu), = [c for c in CASES if c[0] == label]
+    for backward in (False, True):
+        leaves, do, cu_t, cu_cpu = make_inputs(B, T, H, K, V, cu, backward)
+        run_fla(fla_chunk_gla, leaves, do, cu_t, cu_cpu, backward)
+        torch.cuda.synchronize()
+    return 0
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--fla-compile-child":
+        return compile_child(sys.argv[2])
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", default="", help="comma-separated case labels, run in this order (default: all)")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default="")
+    ap.add_argument("--fla-compile-only", action="store_true",
+                    help="compile fla's candidates for every case in parallel child processes, then exit")
     ap.add_argument("--fla-tune-ms", default="", help="WARMUP,REP of Triton's autotune timing (default: Triton's 25,100)")
     args = ap.parse_args()
     fla_chunk_gla = None
+    wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
+    cases = sorted((c for c in CASES if c[0] in wanted), key=lambda c: wanted.index(c[0])) if wanted else CASES
+    if args.fla_compile_only:
+        return compile_fla(cases)
     if args.fla_tune_ms and not args.no_fla:
         import functools
 
@@ -141,8 +180,6 @@ def main():
             from fla.ops.gla import chunk_gla as fla_chunk_gla
         except Exception as e:  # noqa: BLE001
             print(f"fla not importable ({type(e).__name__}: {e}); libgla only", file=sys.stderr)
-    wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
-    cases = sorted((c for c in CASES if c[0] in wanted), key=lambda c: wanted.index(c[0])) if wanted else CASES
     rows = []
     print(f"{torch.cuda.get_device_name()}  torch {torch.version.__version__}  reps {args.reps}")
     print(f"{'case':36s} {'pass':8s} {'libgla ms':>10s} {'fla ms':>9s} {'ratio':>6s} {'b2b libgla':>10s} "
@@ -177,4 +214,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
