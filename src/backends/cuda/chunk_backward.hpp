@@ -66,6 +66,14 @@ struct BackwardParams {
   int32_t vector_dqk;    // 1: dq and dk rows 16-byte aligned and K a multiple of 8 (16-byte stores)
 };
 
+// Tile geometry the planner and the kernels share (chunk_backward_common.cuh uses these).
+namespace backward {
+constexpr int kChunk = detail::kChunk;  // tokens per chunk (SPEC.md §2)
+constexpr int kTile = 64;               // key / value columns per tile
+constexpr int kScanValues = 128;        // value columns per state walk (two tiles)
+constexpr int kStateBytes = 2;          // bf16 chunk states and state gradients in the workspace
+}  // namespace backward
+
 // Where each intermediate lives in the workspace (byte offsets, 256-byte aligned).
 struct BackwardPlan {
   int32_t key_tiles = 0;    // ceil(K / 64)
@@ -93,6 +101,16 @@ struct BackwardPlan {
 // seq_offsets: host copy of the N + 1 offsets (per-row 0, T, 2T... without varlen); sm_count of the
 // device (the reversed forward's segment planner).
 BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, int sm_count);
+
+namespace backward {
+// dv is the chunk forward run backwards in time (docs/cuda_backward.md): the forward problem whose
+// output is dv, over the caller's tensors and the workspace's reversed gate, offsets and dht (with
+// workspace null: the same problem for planning, without those pointers).
+ForwardParams reversed_forward(const BackwardParams& p, const BackwardPlan& plan, char* workspace);
+// Whether the reversed forward takes do as its values (else zeros: do absent, or scale = 0 where
+// dht / scale cannot carry the state gradient).
+bool values_from_do(const BackwardParams& p);
+}  // namespace backward
 
 // Queues the backward on `stream`. workspace must hold plan.workspace_bytes, 256-byte aligned.
 cudaError_t launch_backward(const BackwardParams& p, const BackwardPlan& plan, void* workspace,

@@ -15,8 +15,7 @@ namespace gla::cuda::backward {
 
 using detail::kLog2e;
 
-constexpr int kChunk = 64;  // tokens per chunk (SPEC.md §2)
-constexpr int kTile = 64;   // key / value columns per tile
+// kChunk, kTile, kScanValues, kStateBytes: chunk_backward.hpp (the planner uses them too).
 constexpr int kLd16 = 72;   // row pitch of 16-bit tiles in shared memory (elements): 144 B rows
 constexpr int kLd32 = 68;   // row pitch of fp32 tiles (elements): 272 B rows
 // log2-unit floor of a gate: 2^-160 is 0 in fp32, so a hard reset (g = -inf, SPEC §3.8) stays a
@@ -213,6 +212,7 @@ __device__ __forceinline__ int64_t state_at(const int64_t* s, int32_t v_first, i
 // bf16 has fp32's range, so fp16 inputs cannot overflow them. Half the bytes of fp32 (0.5 GB less
 // workspace at B8 T4096 H16 D128).
 using StateElement = __nv_bfloat16;
+static_assert(sizeof(StateElement) == kStateBytes, "the planner sizes the states with kStateBytes");
 
 // Workspace views.
 struct Workspace {

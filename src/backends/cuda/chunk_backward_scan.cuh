@@ -26,7 +26,6 @@
 
 namespace gla::cuda::backward {
 
-constexpr int kScanValues = 128;   // value columns per walk (two 64-column tiles)
 constexpr int kScanThreads = 256;  // 8 warps x 16 value rows
 constexpr int kScanLd = kScanValues + 8;  // row pitch of the value tiles (elements): 272 B rows
 

@@ -1,0 +1,240 @@
+// The cuda backend's backward planner (src/backends/cuda/plan_backward.cpp, host code): tile counts,
+// the workspace layout, the state walks' segment split and the reversed forward's problem for dv.
+// Runs without a GPU (the planner needs only the SM count), so CI checks it; the kernels themselves
+// are tested on the GPU (test_cuda_backward.cpp).
+#include <gtest/gtest.h>
+
+#ifdef GLA_TESTS_WITH_CUDA
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "backends/cuda/chunk_backward.hpp"
+
+namespace gla::test {
+namespace {
+
+using cuda::BackwardParams;
+using cuda::BackwardPlan;
+
+constexpr int kSms = 132;  // an H200
+
+// Stand-in device addresses: the planner only tests them for null and offsets them (never reads).
+const void* fake(uintptr_t a) { return reinterpret_cast<const void*>(a); }
+
+struct Shape {
+  int64_t B = 2, T = 256, H = 2, K = 128, V = 128;
+  bool dv = true, dout = true, dht = false, per_head = false;
+  float scale = 0.125f;
+};
+
+BackwardParams params(const Shape& s, const std::vector<int64_t>& offsets) {
+  BackwardParams p{};
+  p.B = s.B;
+  p.T = s.T;
+  p.H = s.H;
+  p.K = s.K;
+  p.V = s.V;
+  p.N = offsets.empty() ? s.B : static_cast<int64_t>(offsets.size()) - 1;
+  p.varlen = offsets.empty() ? 0 : 1;
+  const int64_t Kg = s.per_head ? 1 : s.K;
+  p.q = fake(0x10000000);
+  p.k = fake(0x20000000);
+  p.v = fake(0x30000000);
+  p.g = fake(0x40000000);
+  p.do_ = s.dout ? fake(0x50000000) : nullptr;
+  p.dht = s.dht ? static_cast<const float*>(fake(0x60000000)) : nullptr;
+  p.dv = s.dv ? const_cast<void*>(fake(0x70000000)) : nullptr;
+  p.dq = const_cast<void*>(fake(0x80000000));
+  for (int64_t* st : {p.q_stride, p.k_stride, p.dq_stride, p.dk_stride}) {
+    st[0] = s.T * s.H * s.K, st[1] = s.H * s.K, st[2] = s.K;
+  }
+  for (int64_t* st : {p.v_stride, p.do_stride, p.dv_stride}) st[0] = s.T * s.H * s.V, st[1] = s.H * s.V, st[2] = s.V;
+  for (int64_t* st : {p.g_stride, p.dg_stride}) st[0] = s.T * s.H * Kg, st[1] = s.H * Kg, st[2] = Kg;
+  p.scale = s.scale;
+  p.dtype = cuda::kBF16;
+  p.gate_dtype = cuda::kBF16;
+  p.dg_dtype = cuda::kBF16;
+  p.gate_per_head = s.per_head ? 1 : 0;
+  p.vector_loads = p.vector_gate = p.vector_dv = p.vector_dqk = 1;
+  int64_t chunks = 0;
+  if (offsets.empty()) {
+    chunks = s.B * ((s.T + 63) / 64);
+  } else {
+    for (size_t n = 0; n + 1 < offsets.size(); ++n) chunks += (offsets[n + 1] - offsets[n] + 63) / 64;
+  }
+  p.num_chunks = chunks;
+  return p;
+}
+
+struct Planned {
+  BackwardParams p;
+  BackwardPlan plan;
+};
+
+Planned plan_for(const Shape& s, const std::vector<int64_t>& offsets = {}) {
+  std::vector<int64_t> so = offsets;
+  if (so.empty()) {
+    for (int64_t n = 0; n <= s.B; ++n) so.push_back(n * s.T);
+  }
+  Planned r{params(s, offsets), {}};
+  r.plan = cuda::plan_backward(r.p, so.data(), kSms);
+  return r;
+}
+
+// (offset, bytes) of every region the plan places, for the layout checks.
+std::vector<std::pair<size_t, size_t>> regions(const Planned& r) {
+  const BackwardParams& p = r.p;
+  const BackwardPlan& plan = r.plan;
+  const size_t states = static_cast<size_t>(p.num_chunks) * p.H * p.K * p.V * 2;
+  const int64_t Kg = p.gate_per_head ? 1 : p.K;
+  std::vector<std::pair<size_t, size_t>> out = {{plan.chunk_offsets, (p.N + 1) * sizeof(int64_t)},
+                                                {plan.states, states},
+                                                {plan.state_grads, states}};
+  if (p.gate_per_head && plan.key_tiles > 1) {
+    out.push_back({plan.gate_partials, static_cast<size_t>(plan.key_tiles) * p.B * p.T * p.H * 4});
+  }
+  if (plan.scan_segment_chunks > 0) {
+    const size_t blocks = static_cast<size_t>(p.N) * plan.scan_segments * p.H * 2 * plan.key_tiles * plan.scan_value_groups;
+    out.push_back({plan.segment_states, blocks * 64 * 128 * 4});
+    out.push_back({plan.segment_decay, blocks * 64 * 4});
+  }
+  if (p.dv != nullptr) {
+    out.push_back({plan.reversed_gate, static_cast<size_t>(p.B) * p.T * p.H * Kg * 2});
+    if (p.varlen) out.push_back({plan.reversed_offsets, (p.N + 1) * sizeof(int64_t)});
+    if (p.dht != nullptr) out.push_back({plan.reversed_dht, static_cast<size_t>(p.N) * p.H * p.K * p.V * 4});
+    if (!cuda::backward::values_from_do(p)) out.push_back({plan.zero_values, static_cast<size_t>(p.B) * p.T * p.H * p.V * 2});
+    if (plan.values.workspace_bytes > 0) out.push_back({plan.values_workspace, plan.values.workspace_bytes});
+  }
+  return out;
+}
+
+// Every region 256-byte aligned, inside the workspace, and no two overlapping.
+void expect_layout(const Planned& r) {
+  auto rs = regions(r);
+  std::sort(rs.begin(), rs.end());
+  for (size_t i = 0; i < rs.size(); ++i) {
+    EXPECT_EQ(rs[i].first % 256, 0u) << "region " << i;
+    EXPECT_LE(rs[i].first + rs[i].second, r.plan.workspace_bytes) << "region " << i;
+    if (i > 0) {
+      EXPECT_LE(rs[i - 1].first + rs[i - 1].second, rs[i].first) << "regions " << i - 1 << ", " << i;
+    }
+  }
+}
+
+TEST(CudaBackwardPlan, TilesAndWalkBlocksByShape) {
+  struct Row {
+    int64_t K, V;
+    int key_tiles, value_tiles, walk_groups;
+  };
+  for (const Row& row : std::vector<Row>{{128, 128, 2, 2, 1}, {64, 128, 1, 2, 1}, {256, 512, 4, 8, 4}, {128, 256, 2, 4, 2},
+                                         {100, 36, 2, 1, 1}, {32, 200, 1, 4, 2}, {1, 1, 1, 1, 1}, {128, 129, 2, 3, 2}}) {
+    const Planned r = plan_for({.K = row.K, .V = row.V});
+    EXPECT_EQ(r.plan.key_tiles, row.key_tiles) << row.K << "/" << row.V;
+    EXPECT_EQ(r.plan.value_tiles, row.value_tiles) << row.K << "/" << row.V;
+    EXPECT_EQ(r.plan.scan_value_groups, row.walk_groups) << row.K << "/" << row.V;
+    expect_layout(r);
+  }
+}
+
+// The walks (N x H x 2 x blocks) split into segments of >= 8 chunks only when they fill less than
+// one wave of 2 CTAs per SM and a sequence has >= 16 chunks; the segments then cover the longest
+// sequence and fill about two waves (or are 8 chunks long).
+TEST(CudaBackwardPlan, SegmentSplitOnlyForFewLongWalks) {
+  const Planned wide = plan_for({.B = 8, .T = 4096, .H = 16});  // 512 walks: 1.9 waves
+  EXPECT_EQ(wide.plan.scan_segment_chunks, 0);
+  EXPECT_EQ(wide.plan.scan_segments, 1);
+  const Planned short_seqs = plan_for({.B = 1, .T = 960, .H = 1});  // 15 chunks
+  EXPECT_EQ(short_seqs.plan.scan_segment_chunks, 0);
+  for (const Shape& s : {Shape{.B = 1, .T = 32768, .H = 16}, Shape{.B = 1, .T = 65573, .H = 1, .K = 64, .V = 36},
+                         Shape{.B = 2, .T = 2048, .H = 4, .K = 256, .V = 512}}) {
+    const Planned r = plan_for(s);
+    const int64_t chunks = (s.T + 63) / 64;
+    const int64_t walks = s.B * s.H * 2 * r.plan.key_tiles * r.plan.scan_value_groups;
+    SCOPED_TRACE(testing::Message() << "B" << s.B << " T" << s.T << " H" << s.H << " K" << s.K << " V" << s.V);
+    ASSERT_LT(walks, 2 * kSms);
+    EXPECT_GE(r.plan.scan_segment_chunks, 8);
+    EXPECT_GT(r.plan.scan_segments, 1);
+    EXPECT_GE(r.plan.scan_segments * r.plan.scan_segment_chunks, chunks);
+    EXPECT_LT((r.plan.scan_segments - 1) * r.plan.scan_segment_chunks, chunks);
+    // About two waves, unless the 8-chunk floor of a segment gives fewer.
+    EXPECT_TRUE(walks * r.plan.scan_segments >= 2 * kSms * 2 - walks || r.plan.scan_segment_chunks == 8);
+    expect_layout(r);
+  }
+  // B1 T32768 H16 D128: 64 walks of 512 chunks -> 9 segments of 57.
+  const Planned one = plan_for({.B = 1, .T = 32768, .H = 16});
+  EXPECT_EQ(one.plan.scan_segment_chunks, 57);
+  EXPECT_EQ(one.plan.scan_segments, 9);
+}
+
+// The workspace holds what the call needs and no more: the states always; the per-head gate's
+// key-tile partials only with K > 64; dv's reversed problem only when dv is wanted, with zeros for
+// the values where do is absent or scale is 0, and the reversed dht only with dht.
+TEST(CudaBackwardPlan, WorkspaceRegionsFollowTheCall) {
+  const Planned base = plan_for({});
+  EXPECT_EQ(base.plan.gate_partials, 0u);
+  EXPECT_EQ(base.plan.zero_values, 0u);
+  EXPECT_EQ(base.plan.reversed_dht, 0u);
+  EXPECT_GT(base.plan.reversed_gate, 0u);
+  expect_layout(base);
+  const Planned no_dv = plan_for({.dv = false});
+  EXPECT_EQ(no_dv.plan.reversed_gate, 0u);
+  EXPECT_EQ(no_dv.plan.values_workspace, 0u);
+  EXPECT_LT(no_dv.plan.workspace_bytes, base.plan.workspace_bytes);
+  expect_layout(no_dv);
+  for (const Shape& s : {Shape{.dout = false}, Shape{.scale = 0.0f}}) {
+    const Planned r = plan_for(s);
+    EXPECT_FALSE(cuda::backward::values_from_do(r.p));
+    EXPECT_GT(r.plan.zero_values, 0u);
+    expect_layout(r);
+  }
+  const Planned with_dht = plan_for({.dht = true});
+  EXPECT_GT(with_dht.plan.reversed_dht, 0u);
+  expect_layout(with_dht);
+  const Planned per_head = plan_for({.per_head = true});
+  EXPECT_GT(per_head.plan.gate_partials, 0u);
+  expect_layout(per_head);
+  const Planned per_head_one_tile = plan_for({.K = 64, .per_head = true});
+  EXPECT_EQ(per_head_one_tile.plan.gate_partials, 0u);
+  const Planned varlen = plan_for({.B = 1, .T = 1000, .dht = true}, {0, 0, 1, 300, 301, 1000});
+  EXPECT_EQ(varlen.p.num_chunks, 0 + 1 + 5 + 1 + 11);
+  EXPECT_GT(varlen.plan.reversed_offsets, 0u);
+  expect_layout(varlen);
+}
+
+// dv's problem: q' = k, k' = q, v' = do, o' = dv, each reversed in time (the last token first,
+// negative time stride); the gate is the workspace's shifted copy; dht / scale the initial state.
+TEST(CudaBackwardPlan, ReversedForwardSwapsAndReversesTheInputs) {
+  const Planned r = plan_for({.B = 2, .T = 100, .H = 3, .K = 64, .V = 32, .dht = true});
+  std::vector<char> workspace(1);  // only its address is used
+  char* ws = workspace.data();
+  const cuda::ForwardParams f = cuda::backward::reversed_forward(r.p, r.plan, ws);
+  const int64_t last = r.p.T - 1;
+  EXPECT_EQ(f.q, static_cast<const char*>(r.p.k) + last * r.p.k_stride[1] * 2);
+  EXPECT_EQ(f.k, static_cast<const char*>(r.p.q) + last * r.p.q_stride[1] * 2);
+  EXPECT_EQ(f.v, static_cast<const char*>(r.p.do_) + last * r.p.do_stride[1] * 2);
+  EXPECT_EQ(f.o, static_cast<const char*>(r.p.dv) + last * r.p.dv_stride[1] * 2);
+  EXPECT_EQ(f.q_stride[1], -r.p.k_stride[1]);
+  EXPECT_EQ(f.k_stride[1], -r.p.q_stride[1]);
+  EXPECT_EQ(f.v_stride[1], -r.p.do_stride[1]);
+  EXPECT_EQ(f.o_stride[1], -r.p.dv_stride[1]);
+  EXPECT_EQ(f.q_stride[0], r.p.k_stride[0]);
+  EXPECT_EQ(f.g, ws + r.plan.reversed_gate);
+  EXPECT_EQ(f.g_stride[1], r.p.H * r.p.K);
+  EXPECT_EQ(static_cast<const void*>(f.initial_state), static_cast<const void*>(ws + r.plan.reversed_dht));
+  EXPECT_EQ(f.scale, r.p.scale);
+  EXPECT_EQ(f.K, r.p.K);
+  EXPECT_EQ(f.V, r.p.V);
+  // Without do the values are the workspace's zeros and the scale 1 (dht alone drives dS).
+  const Planned no_do = plan_for({.B = 2, .T = 100, .H = 3, .K = 64, .V = 32, .dout = false, .dht = true});
+  const cuda::ForwardParams z = cuda::backward::reversed_forward(no_do.p, no_do.plan, ws);
+  EXPECT_EQ(z.v, ws + no_do.plan.zero_values + last * no_do.p.H * no_do.p.V * 2);
+  EXPECT_EQ(z.scale, 1.0f);
+}
+
+}  // namespace
+}  // namespace gla::test
+
+#endif  // GLA_TESTS_WITH_CUDA
