@@ -162,20 +162,20 @@ __device__ __forceinline__ void load_gate_tile(GateTile<NT>& regs, const Backwar
   }
 }
 
-// b[t][c] = chunk-local inclusive cumsum of the loaded gate (row pitch kTile, fp32). Rows past the
+// b[t][c] = chunk-local inclusive cumsum of the loaded gate (row pitch PITCH, fp32). Rows past the
 // chunk read g = 0, so they hold b_last. Thread (column tid % 64, row group tid / 64) sums its
 // 64 / (NT / 64) rows, then adds the earlier groups' sums (`group_sums`, [NT / 64][64] floats) in
 // group order: a dependent chain of 64 / (NT / 64) + NT / 64 adds instead of 64 (a fixed order, so
 // reruns are bitwise).
-template <int NT>
+template <int NT, int PITCH = kTile>
 __device__ __forceinline__ void gate_cumsum(float* b, const GateTile<NT>& regs, float* group_sums, int tid) {
   static_assert(NT % kTile == 0 && NT <= kChunk * kTile / 8, "whole row groups, at least one row each");
   constexpr int kGroupsOfRows = NT / kTile, kRows = kChunk / kGroupsOfRows;
 #pragma unroll
   for (int i = 0; i < GateTile<NT>::kGroups; ++i) {
     const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8;
-    *reinterpret_cast<float4*>(b + r * kTile + c) = make_float4(regs.r[i][0], regs.r[i][1], regs.r[i][2], regs.r[i][3]);
-    *reinterpret_cast<float4*>(b + r * kTile + c + 4) = make_float4(regs.r[i][4], regs.r[i][5], regs.r[i][6], regs.r[i][7]);
+    *reinterpret_cast<float4*>(b + r * PITCH + c) = make_float4(regs.r[i][0], regs.r[i][1], regs.r[i][2], regs.r[i][3]);
+    *reinterpret_cast<float4*>(b + r * PITCH + c + 4) = make_float4(regs.r[i][4], regs.r[i][5], regs.r[i][6], regs.r[i][7]);
   }
   __syncthreads();
   const int c = tid % kTile, group = tid / kTile, r0 = group * kRows;
@@ -183,7 +183,7 @@ __device__ __forceinline__ void gate_cumsum(float* b, const GateTile<NT>& regs, 
   float sum = 0.0f;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    x[r] = b[(r0 + r) * kTile + c];
+    x[r] = b[(r0 + r) * PITCH + c];
     sum += x[r];
   }
   group_sums[group * kTile + c] = sum;
@@ -196,7 +196,7 @@ __device__ __forceinline__ void gate_cumsum(float* b, const GateTile<NT>& regs, 
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     acc += x[r];
-    b[(r0 + r) * kTile + c] = acc;
+    b[(r0 + r) * PITCH + c] = acc;
   }
   __syncthreads();
 }

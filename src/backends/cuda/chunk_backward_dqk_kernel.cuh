@@ -5,13 +5,27 @@
 //   dA      = scale · do vᵀ                                         (over all value tiles)
 //   dq_t    = scale 2^{b_t} ⊙ (S_c do_t)                              inter
 //           + 2^{b_t - b_{e_{i-1}}} ⊙ Σ_{j<i} dA_ij (k_j ⊙ 2^{b_{e_{i-1}} - b_s})   query block i, off-diagonal
-//           + Σ_{s<=t, same block} dA[t,s] k_s ⊙ 2^{b_t - b_s}        element-wise
+//           + Σ_{s<=t, same block} dA[t,s] k_s ⊙ 2^{b_t - b_s}        diagonal block
 //   dk_s    = 2^{b_last - b_s} ⊙ (dS_{c+1} v_s)                       inter
 //           + 2^{b_{e_j} - b_s} ⊙ Σ_{i>j} dA_ijᵀ (q_i ⊙ 2^{b_t - b_{e_j}})          key block j, off-diagonal
-//           + Σ_{t>=s, same block} dA[t,s] q_t ⊙ 2^{b_t - b_s}        element-wise
+//           + Σ_{t>=s, same block} dA[t,s] q_t ⊙ 2^{b_t - b_s}        diagonal block
 //   dg_u    = Σ_{t=u..last} (q_t ⊙ dq_t - k_t ⊙ dk_t) + 2^{b_last} ⊙ rowsum(S_c ⊙ dS_{c+1})
 //           + Σ_s k_s ⊙ dk_s^inter
 // A per-head gate sums dg over the keys: per key tile into the workspace when K > 64.
+//
+// Work split: warp w owns rows 16 (w % 4) .. + 15 (sub-chunk i = w % 4) and key columns
+// 32 (w / 4) .. + 31 of dq and dk, as mma.sync C fragments that stay in registers from the value
+// loop to the stores. Every product is an mma.sync m16n8k16 over ldmatrix fragments:
+//   value loop   S_c do, dS_{c+1} v and dA (blocks on or below the diagonal only);
+//   off-diagonal the warp's own pivoted copies (keys of blocks j < i for dq, queries of blocks
+//                i' > i for dk: 48 rows for every i, so the warps are balanced);
+//   diagonal     pivot levels as in the forward: a pair (t > s) of a 16-row block belongs to the
+//                level of the highest bit of t ^ s (H = 8, 4, 2, 1); pivoted at the last row of
+//                the first half of its 2H-row group, both factors are <= 1. Per level the warp
+//                writes one copy of its 16 rows (keys in first halves, queries in second halves,
+//                each times its factor), and dA masked to the level's pairs (row-major for dq,
+//                transposed for dk) multiplies it; the outputs take the same factor back.
+// The element-wise 16 x 16 diagonal this replaces was ~1/5 of the kernel's instructions.
 #pragma once
 
 #include <type_traits>
@@ -20,161 +34,197 @@
 
 namespace gla::cuda::backward {
 
-// 8 warps, two CTAs per SM (113.7 KB of shared memory and <= 128 registers each): one CTA's loads
-// and shared-memory passes overlap the other's, where one CTA of 16 warps waited at its barriers.
+// 8 warps, two CTAs per SM (<= 128 registers each): one CTA's loads and shared-memory passes
+// overlap the other's.
 constexpr int kGradThreads = 256;
 constexpr int kGradWarps = kGradThreads / 32;
-constexpr int kTilesPerWarp = 16 / kGradWarps;  // of the 16 output tiles 16 x 16 of a 64 x 64 block
 constexpr int kRowGroups = kGradThreads / kTile;  // a thread per (column, group of rows) in the column sums
 constexpr int kGroupRows = kChunk / kRowGroups;
-constexpr int kStackRows = 96;  // 16 + 32 + 48 rows of pivoted keys (or queries) for three blocks
+constexpr int kLdGate = 72;    // b pitch (floats): float2 reads at C-fragment positions are conflict-free
+constexpr int kLdX = 72;       // pitch of dg's fp32 tile, same reason
+constexpr int kLdCopy = 40;    // pitch of a warp's 32-column copies (16-bit): 80 B rows, conflict-free ldmatrix
+constexpr int kCopyRows = 48;  // pivoted keys (16 i rows) + pivoted queries (48 - 16 i rows)
 
-// First row of query block i's pivoted keys (i = 1..3) and of key block j's pivoted queries (j = 0..2)
-// in their stacks.
-__device__ __forceinline__ int key_stack_row(int i) { return 8 * i * (i - 1); }
-__device__ __forceinline__ int query_stack_row(int j) { return j == 0 ? 0 : (j == 1 ? 48 : 80); }
-
-template <typename E>
-struct DqkShared {
-  alignas(128) float b[kChunk * kTile];
-  alignas(128) E q[kChunk * kLd16];
-  alignas(128) E k[kChunk * kLd16];
-  alignas(128) E dA[kChunk * kLd16];  // [t][s], scale included
-  union {
-    struct {
-      alignas(128) E dO[kChunk * kLd16];
-      alignas(128) E v[kChunk * kLd16];
-      alignas(128) E S[kTile * kLd16];   // [key][value] of S_c
-      alignas(128) E dS[kTile * kLd16];  // [key][value] of dS_{c+1}
-    } loop;
-    struct {
-      alignas(128) float dq[kChunk * kLd32];
-      alignas(128) float dk[kChunk * kLd32];
-    } grad;
-  } u;
-  // The pivoted keys of dq's off-diagonal blocks, then (once those are done) the pivoted queries of
-  // dk's: one buffer, so that two CTAs fit on an SM.
-  alignas(128) E stack[kStackRows * kLd16];
-  alignas(128) float tmp[kChunk * kLd32];
-  float rowsum[kTile];
-  float dk_inter_sum[kTile];
-  float column_part[kRowGroups][kTile];  // per-column partial sums of row groups (gate cumsum, dk_inter_sum, dg)
+struct DqkValueTiles {
+  alignas(128) uint16_t dO[kChunk * kLd16];
+  alignas(128) uint16_t v[kChunk * kLd16];
+  alignas(128) uint16_t S[kTile * kLd16];   // [key][value] of S_c
+  alignas(128) uint16_t dS[kTile * kLd16];  // [key][value] of dS_{c+1}
 };
 
-// Rows t of one row set (SET 0: t mod 4 in {0, 3}; SET 1: {1, 2}) of the diagonal block at r0, column
-// c: dq[t] += Σ_{s<=t} dA[t,s] k_s 2^{b_t - b_s}, and dk_local[s] = Σ_{t>=s} dA[t,s] q_t 2^{b_t - b_s}.
-template <int SET, typename E>
-__device__ __forceinline__ void diagonal_rows(DqkShared<E>& sh, int c, int r0, float (&dk_local)[16]) {
+struct DqkShared {
+  alignas(128) float b[kChunk * kLdGate];
+  alignas(128) uint16_t q[kChunk * kLd16];
+  alignas(128) uint16_t k[kChunk * kLd16];
+  union {
+    DqkValueTiles loop[2];  // double buffer: value tile vt + 1 lands while tile vt is multiplied
+    struct {
+      alignas(128) uint16_t dA[kChunk * kLd16];  // [t][s], scale included; blocks above the diagonal unused
+      alignas(128) uint16_t copies[kGradWarps][kCopyRows * kLdCopy];  // per warp: pivoted copies, then level copies
+    } after;
+    alignas(128) float x[kChunk * kLdX];  // q ⊙ dq - k ⊙ dk, then dg (dA and the copies are done with)
+  } u;
+  float rowsum[kTile];
+  float inter_part[4][kTile];  // per sub-chunk: column sums of k ⊙ dk^inter
+  float column_part[kRowGroups][kTile];  // per-column partial sums of row groups (gate cumsum, dg)
+};
+
+// A 64 x 64 tile of 16-bit elements into shared memory (pitch kLd16) with load_tile's element
+// mapping (group e = tid + NT i: row e / 8, columns 8 (e % 8) ..): by cp.async when rows are 16-byte
+// aligned (the caller waits for its own groups), else through registers. Past rows_valid,
+// cols_valid, or with a null base: zeros.
+template <int NT>
+__device__ __forceinline__ void stage_tile(uint16_t* dst, const void* base, const int64_t* stride, int64_t batch,
+                                           int64_t t0, int64_t h, int64_t rows_valid, int64_t c0, int64_t cols_valid,
+                                           bool vector, int tid) {
+  if (vector && base != nullptr) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + batch * stride[0] + t0 * stride[1] + h * stride[2] + c0;
 #pragma unroll
-  for (int s = 0; s < 16; ++s) dk_local[s] = 0.0f;
-#pragma unroll
-  for (int t = 0; t < 16; ++t) {
-    const bool mine = SET == 0 ? (t % 4 == 0 || t % 4 == 3) : (t % 4 == 1 || t % 4 == 2);
-    if (!mine) continue;
-    const float bt = sh.b[(r0 + t) * kTile + c];
-    const float qt = to_float(sh.q[(r0 + t) * kLd16 + c]);
-    float dq_acc = 0.0f;
-#pragma unroll
-    for (int s = 0; s <= t; ++s) {
-      const float f = detail::fast_exp2(bt - sh.b[(r0 + s) * kTile + c]);
-      const float a = to_float(sh.dA[(r0 + t) * kLd16 + r0 + s]) * f;
-      dq_acc += a * to_float(sh.k[(r0 + s) * kLd16 + c]);
-      dk_local[s] += a * qt;
+    for (int i = 0; i < Tile16<NT>::kGroups; ++i) {
+      const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8;
+      const bool ok = r < rows_valid && c < cols_valid;
+      detail::cp_async16(dst + r * kLd16 + c, ok ? src + r * stride[1] + c : src, ok);
     }
-    sh.u.grad.dq[(r0 + t) * kLd32 + c] += dq_acc;
+  } else {
+    Tile16<NT> regs;
+    load_tile(regs, base, stride, batch, t0, h, rows_valid, c0, cols_valid, vector, tid);
+    store_tile(dst, regs, tid);
   }
+}
+
+// The fp32 pair at (row, column pair) of a pitched tile, and the 16-bit pair as floats.
+__device__ __forceinline__ float2 pair_at(const float* tile, int pitch, int row, int col) {
+  return *reinterpret_cast<const float2*>(tile + row * pitch + col);
+}
+template <typename X>
+__device__ __forceinline__ float2 pair_at(const uint16_t* tile, int pitch, int row, int col) {
+  return X::to_float2(*reinterpret_cast<const uint32_t*>(tile + row * pitch + col));
+}
+
+// Keeps the 16-bit halves of an A-fragment register whose flags are set.
+__device__ __forceinline__ uint32_t keep_halves(uint32_t x, bool lo, bool hi) {
+  return x & ((lo ? 0x0000ffffu : 0u) | (hi ? 0xffff0000u : 0u));
 }
 
 // grid: (num_chunks, H, key_tiles)
 template <typename E>
 __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
-  namespace wmma = nvcuda::wmma;
+  using X = detail::Elem<E>;
+  using detail::fast_exp2;
+  using detail::ldsm_x4;
+  using detail::ldsm_x4_trans;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  DqkShared<E>& sh = *reinterpret_cast<DqkShared<E>*>(smem_raw);
+  DqkShared& sh = *reinterpret_cast<DqkShared*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int blk = warp & 3, row0 = 16 * blk, col0 = 32 * (warp >> 2);
+  const int fr = lane >> 2, fc = detail::fc_of(lane), mi = lane >> 3;
   const int64_t chunk = blockIdx.x, h = blockIdx.y;
   const int64_t k0 = int64_t(blockIdx.z) * kTile;
   const int64_t kv = p.K - k0 < kTile ? p.K - k0 : kTile;
   const ChunkRef ch = locate_chunk(p, ws.chunk_offsets, chunk);
   const int64_t rows = ch.len;
+  // C-fragment entry (n8 tile n, entry e) of this warp: row row0 + fr + 8 (e >> 1), column
+  // col0 + 8 n + fc + (e & 1). `hr` below is e >> 1; pairs (e & 1) are handled together.
+  auto col_of = [&](int n) { return col0 + 8 * n + fc; };
 
+  // ---- loads: q, k and the first two value tiles by cp.async, the gate through registers ----
+  const StateElement* S_c = ws.states + (chunk * p.H + h) * p.K * p.V;
+  const StateElement* dS_c = ws.state_grads + (chunk * p.H + h) * p.K * p.V;
+  const int64_t state_stride[3] = {0, p.V, 0};  // a state block as a tile: rows are keys
+  const bool state_vector = p.V % 8 == 0;
+  // Value tile vt (do, v and the states' 64 columns) into buffer `buf`, one commit group.
+  auto stage_values = [&](int vt, int buf) {
+    const int64_t v0 = int64_t(vt) * kTile;
+    const int64_t vv = p.V - v0 < kTile ? p.V - v0 : kTile;
+    DqkValueTiles& d = sh.u.loop[buf];
+    stage_tile<kGradThreads>(d.dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
+    stage_tile<kGradThreads>(d.v, p.v, p.v_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
+    stage_tile<kGradThreads>(d.S, S_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
+    stage_tile<kGradThreads>(d.dS, dS_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
+    detail::cp_async_commit();
+  };
+  stage_tile<kGradThreads>(sh.q, p.q, p.q_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
+  stage_tile<kGradThreads>(sh.k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
+  detail::cp_async_commit();
+  if (plan.value_tiles > 0) stage_values(0, 0);
+  if (plan.value_tiles > 1) stage_values(1, 1);
   {
     GateTile<kGradThreads> gate;
-    Tile16<kGradThreads> q, k;
     load_gate_tile(gate, p, ch.batch, ch.t0, h, rows, k0, p.vector_gate, tid);
-    load_tile(q, p.q, p.q_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
-    load_tile(k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
-    store_tile(sh.q, q, tid);
-    store_tile(sh.k, k, tid);
-    gate_cumsum(sh.b, gate, &sh.column_part[0][0], tid);
+    gate_cumsum<kGradThreads, kLdGate>(sh.b, gate, &sh.column_part[0][0], tid);
   }
 
-  // ---- over the value tiles: dA = do vᵀ, Pq = do S_cᵀ, Pk = v dS_{c+1}ᵀ, rowsum(S_c ⊙ dS_{c+1}) ----
-  FragC acc_dA[kTilesPerWarp], acc_q[kTilesPerWarp], acc_k[kTilesPerWarp];
-  for (int i = 0; i < kTilesPerWarp; ++i) {
-    wmma::fill_fragment(acc_dA[i], 0.0f);
-    wmma::fill_fragment(acc_q[i], 0.0f);
-    wmma::fill_fragment(acc_k[i], 0.0f);
+  // ---- over the value tiles: Pq = do S_cᵀ (into dq), Pk = v dS_{c+1}ᵀ (into dk), dA = do vᵀ,
+  // rowsum(S_c ⊙ dS_{c+1}) ----
+  float dq[4][4], dk[4][4], da[4][4];
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[n][e] = dk[n][e] = da[n][e] = 0.0f;
   }
   // rowsum(S_c ⊙ dS_{c+1}) partials: group i of this thread covers row (tid + kGradThreads i) / 8.
   constexpr int kStateGroups = Tile16<kGradThreads>::kGroups;
   float rowsum_part[kStateGroups];
 #pragma unroll
   for (int i = 0; i < kStateGroups; ++i) rowsum_part[i] = 0.0f;
-  const StateElement* S_c = ws.states + (chunk * p.H + h) * p.K * p.V;
-  const StateElement* dS_c = ws.state_grads + (chunk * p.H + h) * p.K * p.V;
-  const int64_t state_stride[3] = {0, p.V, 0};  // a state block as a tile: rows are keys
-  const bool state_vector = p.V % 8 == 0;
+  const int a_row = (lane & 7) + (mi & 1) * 8, a_col = (mi >> 1) * 8;  // ldmatrix x4 of an A fragment
+  const int b_row = (lane & 7) + (mi >> 1) * 8, b_col = (mi & 1) * 8;  // of two B n8 tiles, [n][k] storage
   for (int vt = 0; vt < plan.value_tiles; ++vt) {
-    const int64_t v0 = int64_t(vt) * kTile;
-    const int64_t vv = p.V - v0 < kTile ? p.V - v0 : kTile;
-    {
-      Tile16<kGradThreads> dO, v, S, dS;
-      load_tile(dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
-      load_tile(v, p.v, p.v_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
-      load_tile(S, S_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
-      load_tile(dS, dS_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
-      store_tile(sh.u.loop.dO, dO, tid);
-      store_tile(sh.u.loop.v, v, tid);
+    DqkValueTiles& d = sh.u.loop[vt & 1];
+    if (vt + 1 < plan.value_tiles) detail::cp_async_wait_one(); else detail::cp_async_wait_all();
+    // This thread's own groups of the states (its copies have landed): the row sums, and fp16
+    // operands converted in place (the states are bf16).
 #pragma unroll
-      for (int i = 0; i < kStateGroups; ++i) {
-        const int e = tid + i * kGradThreads, r = e >> 3, c = (e & 7) * 8;
-        const uint32_t sw[4] = {S.r[i].x, S.r[i].y, S.r[i].z, S.r[i].w};
-        const uint32_t dw[4] = {dS.r[i].x, dS.r[i].y, dS.r[i].z, dS.r[i].w};
-        E* srow = sh.u.loop.S + r * kLd16 + c;
-        E* drow = sh.u.loop.dS + r * kLd16 + c;
+    for (int i = 0; i < kStateGroups; ++i) {
+      const int e = tid + i * kGradThreads, r = e >> 3, c = (e & 7) * 8;
+      uint4* s_at = reinterpret_cast<uint4*>(d.S + r * kLd16 + c);
+      uint4* ds_at = reinterpret_cast<uint4*>(d.dS + r * kLd16 + c);
+      const uint4 sv = *s_at, dv = *ds_at;
+      const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+      const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w};
+      uint32_t so[4], dso[4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float s1 = __uint_as_float((sw[j / 2] >> (16 * (j % 2))) << 16);
-          const float d1 = __uint_as_float((dw[j / 2] >> (16 * (j % 2))) << 16);
-          rowsum_part[i] += s1 * d1;
-          if constexpr (!std::is_same_v<E, StateElement>) {
-            srow[j] = from_float<E>(s1);
-            drow[j] = from_float<E>(d1);
-          }
-        }
-        if constexpr (std::is_same_v<E, StateElement>) {  // already the operands' type: stored as loaded
-          *reinterpret_cast<uint4*>(srow) = S.r[i];
-          *reinterpret_cast<uint4*>(drow) = dS.r[i];
+      for (int j = 0; j < 4; ++j) {
+        const float2 s2 = detail::Elem<StateElement>::to_float2(sw[j]);
+        const float2 d2 = detail::Elem<StateElement>::to_float2(dw[j]);
+        rowsum_part[i] += s2.x * d2.x + s2.y * d2.y;
+        so[j] = X::pack(s2.x, s2.y);
+        dso[j] = X::pack(d2.x, d2.y);
+      }
+      if constexpr (!std::is_same_v<E, StateElement>) {
+        *s_at = make_uint4(so[0], so[1], so[2], so[3]);
+        *ds_at = make_uint4(dso[0], dso[1], dso[2], dso[3]);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t a_do[4], a_v[4];
+      ldsm_x4(a_do, d.dO + (row0 + a_row) * kLd16 + 16 * kk + a_col);
+      ldsm_x4(a_v, d.v + (row0 + a_row) * kLd16 + 16 * kk + a_col);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int n_row = col0 + 16 * np + b_row, k_col = 16 * kk + b_col;
+        uint32_t bs[4], bds[4];
+        ldsm_x4(bs, d.S + n_row * kLd16 + k_col);
+        ldsm_x4(bds, d.dS + n_row * kLd16 + k_col);
+        X::mma(dq[2 * np], a_do, bs[0], bs[1]);
+        X::mma(dq[2 * np + 1], a_do, bs[2], bs[3]);
+        X::mma(dk[2 * np], a_v, bds[0], bds[1]);
+        X::mma(dk[2 * np + 1], a_v, bds[2], bds[3]);
+        if (2 * (warp >> 2) + np <= blk) {  // dA block (blk, column block) on or below the diagonal
+          uint32_t bv[4];
+          ldsm_x4(bv, d.v + n_row * kLd16 + k_col);
+          X::mma(da[2 * np], a_do, bv[0], bv[1]);
+          X::mma(da[2 * np + 1], a_do, bv[2], bv[3]);
         }
       }
     }
     __syncthreads();
-    for (int i = 0; i < kTilesPerWarp; ++i) {
-      const int tile = kTilesPerWarp * warp + i, ti = tile >> 2, tj = tile & 3;
-      for (int kk = 0; kk < 4; ++kk) {
-        FragA<E> a_do, a_v;
-        FragBT<E> b_v, b_S, b_dS;
-        wmma::load_matrix_sync(a_do, sh.u.loop.dO + 16 * ti * kLd16 + 16 * kk, kLd16);
-        wmma::load_matrix_sync(a_v, sh.u.loop.v + 16 * ti * kLd16 + 16 * kk, kLd16);
-        wmma::load_matrix_sync(b_v, sh.u.loop.v + 16 * tj * kLd16 + 16 * kk, kLd16);
-        wmma::load_matrix_sync(b_S, sh.u.loop.S + 16 * tj * kLd16 + 16 * kk, kLd16);
-        wmma::load_matrix_sync(b_dS, sh.u.loop.dS + 16 * tj * kLd16 + 16 * kk, kLd16);
-        wmma::mma_sync(acc_dA[i], a_do, b_v, acc_dA[i]);
-        wmma::mma_sync(acc_q[i], a_do, b_S, acc_q[i]);
-        wmma::mma_sync(acc_k[i], a_v, b_dS, acc_k[i]);
-      }
-    }
+    if (vt + 2 < plan.value_tiles) stage_values(vt + 2, vt & 1);
+  }
+  if (plan.value_tiles == 0) {
+    detail::cp_async_wait_all();
     __syncthreads();
   }
   // rowsum: the 8 consecutive lanes sharing a row reduce by shuffles.
@@ -184,205 +234,344 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     for (int off = 4; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
     if ((lane & 7) == 0) sh.rowsum[(tid + i * kGradThreads) >> 3] = x;
   }
-  for (int i = 0; i < kTilesPerWarp; ++i) {
-    const int tile = kTilesPerWarp * warp + i, ti = tile >> 2, tj = tile & 3;
-    wmma::store_matrix_sync(sh.u.grad.dq + 16 * ti * kLd32 + 16 * tj, acc_q[i], kLd32, wmma::mem_row_major);
-    wmma::store_matrix_sync(sh.u.grad.dk + 16 * ti * kLd32 + 16 * tj, acc_k[i], kLd32, wmma::mem_row_major);
-    wmma::store_matrix_sync(sh.tmp + 16 * ti * kLd32 + 16 * tj, acc_dA[i], kLd32, wmma::mem_row_major);
-  }
-  __syncthreads();
-  // ---- inter-chunk terms, dA in 16 bits, the pivoted keys ----
-  // Thread tid covers column tid % 64 at rows tid / 64 + kRowGroups i: its part of
-  // Σ_s k_s ⊙ dk_s^inter goes to column_part, summed per column below in a fixed order.
-  static_assert(kGradThreads % kTile == 0, "whole columns per thread set");
+
+  // ---- inter-chunk factors on the fragments; dA in 16 bits; Σ_s k_s ⊙ dk_s^inter per column ----
+  // This lane's q, k and b at its fragment positions, kept for the diagonal and dg.
+  uint32_t q_frag[4][2], k_frag[4][2];
+  float2 b_frag[4][2];
   {
-    float inter_part = 0.0f;
-    for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
-      const int t = e >> 6, c = e & 63;
-      const float bt = sh.b[t * kTile + c], last = sh.b[(kChunk - 1) * kTile + c];
-      sh.dA[t * kLd16 + c] = from_float<E>(p.scale * sh.tmp[t * kLd32 + c]);
-      sh.u.grad.dq[t * kLd32 + c] *= p.scale * detail::fast_exp2(bt);
-      const float dk_inter = sh.u.grad.dk[t * kLd32 + c] * detail::fast_exp2(last - bt);
-      sh.u.grad.dk[t * kLd32 + c] = dk_inter;
-      inter_part += to_float(sh.k[t * kLd16 + c]) * dk_inter;
-    }
-    sh.column_part[tid >> 6][tid & 63] = inter_part;
-  }
-  for (int e = tid; e < kStackRows * kTile; e += kGradThreads) {
-    // Keys of query block i (rows s < 16i), pivoted at e_{i-1} = 16i - 1.
-    const int r = e >> 6, c = e & 63;
-    const int i = r < 16 ? 1 : (r < 48 ? 2 : 3);
-    const int s = r - key_stack_row(i);
-    const float pivot_k = sh.b[(16 * i - 1) * kTile + c];
-    sh.stack[r * kLd16 + c] = from_float<E>(to_float(sh.k[s * kLd16 + c]) * detail::fast_exp2(pivot_k - sh.b[s * kTile + c]));
-  }
-  __syncthreads();
-  if (tid < kTile) {
-    float acc = 0.0f;
+    float inter[4][2];
 #pragma unroll
-    for (int g = 0; g < kRowGroups; ++g) acc += sh.column_part[g][tid];
-    sh.dk_inter_sum[tid] = acc;
+    for (int n = 0; n < 4; ++n) {
+      const int c = col_of(n);
+      const float2 last = pair_at(sh.b, kLdGate, kChunk - 1, c);
+      inter[n][0] = inter[n][1] = 0.0f;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int t = row0 + fr + 8 * hr;
+        q_frag[n][hr] = *reinterpret_cast<const uint32_t*>(sh.q + t * kLd16 + c);
+        k_frag[n][hr] = *reinterpret_cast<const uint32_t*>(sh.k + t * kLd16 + c);
+        const float2 bt = pair_at(sh.b, kLdGate, t, c);
+        b_frag[n][hr] = bt;
+        dq[n][2 * hr] *= p.scale * fast_exp2(bt.x);
+        dq[n][2 * hr + 1] *= p.scale * fast_exp2(bt.y);
+        dk[n][2 * hr] *= fast_exp2(last.x - bt.x);
+        dk[n][2 * hr + 1] *= fast_exp2(last.y - bt.y);
+        const float2 kt = X::to_float2(k_frag[n][hr]);
+        inter[n][0] += kt.x * dk[n][2 * hr];
+        inter[n][1] += kt.y * dk[n][2 * hr + 1];
+        if (2 * (warp >> 2) + n / 2 <= blk) {
+          *reinterpret_cast<uint32_t*>(sh.u.after.dA + t * kLd16 + c) =
+              X::pack(p.scale * da[n][2 * hr], p.scale * da[n][2 * hr + 1]);
+        }
+      }
+    }
+    // The 8 lanes sharing columns (lane % 4) reduce over their rows by a butterfly (fixed order).
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float x = inter[n][j];
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        if (fr == 0) sh.inter_part[blk][col_of(n) + j] = x;
+      }
+    }
+  }
+  __syncthreads();  // dA complete; the value tiles are dead, the union holds the warps' copies
+
+  // ---- off-diagonal blocks: the warp's pivoted keys (rows s < 16 blk, pivot e_{blk-1}) and queries
+  // (rows t >= 16 (blk + 1), pivot e_blk; stack row t - 16) over its 32 columns ----
+  uint16_t* copy = sh.u.after.copies[warp];
+  {
+    const int pc = col0 + 2 * (lane & 15);  // this lane's column pair
+    const float2 pivot_k = blk > 0 ? pair_at(sh.b, kLdGate, row0 - 1, pc) : make_float2(0.0f, 0.0f);
+    const float2 pivot_q = pair_at(sh.b, kLdGate, row0 + 15, pc);
+#pragma unroll 4
+    for (int m = 0; m < kCopyRows / 2; ++m) {
+      const int r = 2 * m + (lane >> 4);  // row0 is a multiple of 16: the branch is warp-uniform
+      uint32_t out;
+      if (r < row0) {
+        const float2 bs = pair_at(sh.b, kLdGate, r, pc);
+        const float2 ks = pair_at<X>(sh.k, kLd16, r, pc);
+        out = X::pack(ks.x * fast_exp2(pivot_k.x - bs.x), ks.y * fast_exp2(pivot_k.y - bs.y));
+      } else {
+        const float2 bt = pair_at(sh.b, kLdGate, r + 16, pc);
+        const float2 qt = pair_at<X>(sh.q, kLd16, r + 16, pc);
+        out = X::pack(qt.x * fast_exp2(bt.x - pivot_q.x), qt.y * fast_exp2(bt.y - pivot_q.y));
+      }
+      *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 2 * (lane & 15)) = out;
+    }
+  }
+  __syncwarp();
+  {
+    // dq of query block blk: Σ_{j<blk} dA_{blk,j} (pivoted keys of block j).
+    float acc[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int j = 0; j < blk; ++j) {
+      uint32_t a[4];
+      ldsm_x4(a, sh.u.after.dA + (row0 + a_row) * kLd16 + 16 * j + a_col);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t bb[4];
+        ldsm_x4_trans(bb, copy + (16 * j + a_row) * kLdCopy + 16 * np + a_col);
+        X::mma(acc[2 * np], a, bb[0], bb[1]);
+        X::mma(acc[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    if (blk > 0) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const float2 pivot = pair_at(sh.b, kLdGate, row0 - 1, col_of(n));
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          dq[n][2 * hr] += acc[n][2 * hr] * fast_exp2(b_frag[n][hr].x - pivot.x);
+          dq[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(b_frag[n][hr].y - pivot.y);
+        }
+      }
+    }
+    // dk of key block blk: Σ_{i>blk} dA_{i,blk}ᵀ (pivoted queries of block i).
+#pragma unroll
+    for (int n = 0; n < 4; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (int i = blk + 1; i < 4; ++i) {
+      uint32_t a[4];
+      ldsm_x4_trans(a, sh.u.after.dA + (16 * i + b_row) * kLd16 + row0 + b_col);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t bb[4];
+        ldsm_x4_trans(bb, copy + (16 * i - 16 + a_row) * kLdCopy + 16 * np + a_col);
+        X::mma(acc[2 * np], a, bb[0], bb[1]);
+        X::mma(acc[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    if (blk < 3) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const float2 pivot = pair_at(sh.b, kLdGate, row0 + 15, col_of(n));
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          dk[n][2 * hr] += acc[n][2 * hr] * fast_exp2(pivot.x - b_frag[n][hr].x);
+          dk[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(pivot.y - b_frag[n][hr].y);
+        }
+      }
+    }
+  }
+  __syncwarp();  // the pivoted copies are read: the level copies reuse the buffer
+
+  // ---- diagonal block: pivot levels ----
+  // bf16 level copies are split into a high and a low part (rows 0-15 and 16-31 of the warp's
+  // buffer), both multiplied: one bf16 rounding of the copies put dg's error at 5-8e-3 against the
+  // reference on the SPEC grid (bar 5e-3), where the element-wise diagonal it replaced was fp32.
+  // fp16's rounding is 8x finer and passes with one part.
+  constexpr bool kSplitCopies = std::is_same_v<E, __nv_bfloat16>;
+  {
+    uint32_t a_dq[4], a_dk[4];  // dA_{blk,blk} (rows t, columns s) and its transpose (rows s, columns t)
+    ldsm_x4(a_dq, sh.u.after.dA + (row0 + a_row) * kLd16 + row0 + a_col);
+    ldsm_x4_trans(a_dk, sh.u.after.dA + (row0 + b_row) * kLd16 + row0 + b_col);
+    // Register r of an A fragment holds (row fr + 8 (r & 1), columns fc + 8 (r >> 1) + {0, 1}).
+    // The level of the pair (t, s), t > s, is the highest bit of t ^ s; 4 (none) for t <= s.
+    // Bit 16 level + 2 r + j (dq) and 16 level + 8 + 2 r + j (dk): half j of register r belongs
+    // to `level`. One 64-bit mask instead of 16 level numbers: the level loop stays rolled and
+    // within 128 registers.
+    auto level_of = [](int t, int s) { return t > s ? 31 - __clz(t ^ s) : 4; };
+    uint64_t level_bits = 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = fr + 8 * (r & 1), col = fc + 8 * (r >> 1);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int lq = level_of(row, col + j), lk = level_of(col + j, row);  // (t, s) = (row, col) / (col, row)
+        if (lq < 4) level_bits |= uint64_t(1) << (16 * lq + 2 * r + j);
+        if (lk < 4) level_bits |= uint64_t(1) << (16 * lk + 8 + 2 * r + j);
+      }
+    }
+#pragma unroll 1
+    for (int level = 3; level >= 0; --level) {  // H = 2^level
+      const int H = 1 << level;
+      const uint32_t keep = static_cast<uint32_t>(level_bits >> (16 * level));
+      // This lane's rows of the level copy: row r's group starts at (r / 2H) 2H, its pivot is the
+      // group's row H - 1; keys (first half) times 2^{b_pivot - b_r}, queries times 2^{b_r - b_pivot}.
+      float2 f[4][2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = fr + 8 * hr;
+        const int pivot_row = row0 + (r & ~(2 * H - 1)) + H - 1;
+        const bool key_half = (r & H) == 0;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const float2 pv = pair_at(sh.b, kLdGate, pivot_row, col_of(n));
+          const float2 br = b_frag[n][hr];
+          f[n][hr] = key_half ? make_float2(fast_exp2(pv.x - br.x), fast_exp2(pv.y - br.y))
+                              : make_float2(fast_exp2(br.x - pv.x), fast_exp2(br.y - pv.y));
+          const float2 m = X::to_float2(key_half ? k_frag[n][hr] : q_frag[n][hr]);
+          const float x0 = m.x * f[n][hr].x, x1 = m.y * f[n][hr].y;
+          const uint32_t high = X::pack(x0, x1);
+          *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = high;
+          if constexpr (kSplitCopies) {
+            const float2 hf = X::to_float2(high);
+            *reinterpret_cast<uint32_t*>(copy + (16 + r) * kLdCopy + 8 * n + fc) = X::pack(x0 - hf.x, x1 - hf.y);
+          }
+        }
+      }
+      uint32_t aq[4], ak[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        aq[r] = keep_halves(a_dq[r], keep >> (2 * r) & 1, keep >> (2 * r + 1) & 1);
+        ak[r] = keep_halves(a_dk[r], keep >> (8 + 2 * r) & 1, keep >> (9 + 2 * r) & 1);
+      }
+      __syncwarp();
+      float accq[4][4], acck[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) accq[n][e] = acck[n][e] = 0.0f;
+      }
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+#pragma unroll
+        for (int part = 0; part < (kSplitCopies ? 2 : 1); ++part) {
+          uint32_t bb[4];
+          ldsm_x4_trans(bb, copy + (16 * part + a_row) * kLdCopy + 16 * np + a_col);
+          X::mma(accq[2 * np], aq, bb[0], bb[1]);
+          X::mma(accq[2 * np + 1], aq, bb[2], bb[3]);
+          X::mma(acck[2 * np], ak, bb[0], bb[1]);
+          X::mma(acck[2 * np + 1], ak, bb[2], bb[3]);
+        }
+      }
+      // Rows outside the level's second (dq) or first (dk) halves got 0 from the masked dA.
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          dq[n][2 * hr] += f[n][hr].x * accq[n][2 * hr];
+          dq[n][2 * hr + 1] += f[n][hr].y * accq[n][2 * hr + 1];
+          dk[n][2 * hr] += f[n][hr].x * acck[n][2 * hr];
+          dk[n][2 * hr + 1] += f[n][hr].y * acck[n][2 * hr + 1];
+        }
+      }
+      __syncwarp();  // the copy is read before the next level overwrites it
+    }
+    // t = s: dq_t += dA[t,t] k_t, dk_t += dA[t,t] q_t.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int t = row0 + fr + 8 * hr;
+      const float d = X::to_float(sh.u.after.dA[t * kLd16 + t]);
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const float2 kt = X::to_float2(k_frag[n][hr]), qt = X::to_float2(q_frag[n][hr]);
+        dq[n][2 * hr] += d * kt.x;
+        dq[n][2 * hr + 1] += d * kt.y;
+        dk[n][2 * hr] += d * qt.x;
+        dk[n][2 * hr + 1] += d * qt.y;
+      }
+    }
   }
 
-  // ---- off-diagonal blocks of dq: query block i = 1..3, key tile columns kt ----
-  for (int task = warp; task < 12; task += kGradWarps) {
-    const int i = 1 + task / 4, kt = task % 4;
-    FragC acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (int j = 0; j < i; ++j) {
-      FragA<E> a;
-      FragB<E> bf;
-      wmma::load_matrix_sync(a, sh.dA + 16 * i * kLd16 + 16 * j, kLd16);
-      wmma::load_matrix_sync(bf, sh.stack + (key_stack_row(i) + 16 * j) * kLd16 + 16 * kt, kLd16);
-      wmma::mma_sync(acc, a, bf, acc);
-    }
-    wmma::store_matrix_sync(sh.tmp + 16 * i * kLd32 + 16 * kt, acc, kLd32, wmma::mem_row_major);
-  }
-  __syncthreads();
-  for (int e = tid; e < 48 * kTile; e += kGradThreads) {
-    const int t = 16 + (e >> 6), c = e & 63, i = t >> 4;
-    const float pivot = sh.b[(16 * i - 1) * kTile + c];
-    sh.u.grad.dq[t * kLd32 + c] += sh.tmp[t * kLd32 + c] * detail::fast_exp2(sh.b[t * kTile + c] - pivot);
-  }
-  // The pivoted keys are done with: the stack takes the queries of key block j (rows t >= 16(j+1)),
-  // pivoted at e_j = 16j + 15.
-  for (int e = tid; e < kStackRows * kTile; e += kGradThreads) {
-    const int r = e >> 6, c = e & 63;
-    const int j = r < 48 ? 0 : (r < 80 ? 1 : 2);
-    const int t = 16 * (j + 1) + r - query_stack_row(j);
-    const float pivot_q = sh.b[(16 * j + 15) * kTile + c];
-    sh.stack[r * kLd16 + c] = from_float<E>(to_float(sh.q[t * kLd16 + c]) * detail::fast_exp2(sh.b[t * kTile + c] - pivot_q));
-  }
-  __syncthreads();
-  // ---- off-diagonal blocks of dk: key block j = 0..2 ----
-  for (int task = warp; task < 12; task += kGradWarps) {
-    const int j = task / 4, kt = task % 4;
-    FragC acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (int i = j + 1; i < 4; ++i) {
-      FragAT<E> a;  // dA_ijᵀ
-      FragB<E> bf;
-      wmma::load_matrix_sync(a, sh.dA + 16 * i * kLd16 + 16 * j, kLd16);
-      wmma::load_matrix_sync(bf, sh.stack + (query_stack_row(j) + 16 * (i - j - 1)) * kLd16 + 16 * kt, kLd16);
-      wmma::mma_sync(acc, a, bf, acc);
-    }
-    wmma::store_matrix_sync(sh.tmp + 16 * j * kLd32 + 16 * kt, acc, kLd32, wmma::mem_row_major);
-  }
-  __syncthreads();
-  for (int e = tid; e < 48 * kTile; e += kGradThreads) {
-    const int s = e >> 6, c = e & 63, j = s >> 4;
-    const float pivot = sh.b[(16 * j + 15) * kTile + c];
-    sh.u.grad.dk[s * kLd32 + c] += sh.tmp[s * kLd32 + c] * detail::fast_exp2(pivot - sh.b[s * kTile + c]);
-  }
-  __syncthreads();
-
-  // ---- diagonal blocks, element-wise: thread (column c, block i) ----
-  // The two row sets {0,3,4,7,8,11,12,15} and {1,2,5,6,9,10,13,14} hold 68 of the block's 136
-  // (t, s) pairs each; set 0 adds its dk terms first, then set 1 (a fixed order: reruns are bitwise).
-  static_assert(kGradThreads == 4 * kTile, "one thread per (column, diagonal block)");
-  {
-    const int c = tid & 63, r0 = 16 * (tid >> 6);
-    float dk_local[16];
-    diagonal_rows<0, E>(sh, c, r0, dk_local);
+  // ---- dq and dk out, straight from the fragments ----
 #pragma unroll
-    for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
-    diagonal_rows<1, E>(sh, c, r0, dk_local);
+  for (int hr = 0; hr < 2; ++hr) {
+    const int t = row0 + fr + 8 * hr;
+    if (t >= rows) continue;
+    const int64_t tok = ch.t0 + t;
 #pragma unroll
-    for (int s = 0; s < 16; ++s) sh.u.grad.dk[(r0 + s) * kLd32 + c] += dk_local[s];
+    for (int n = 0; n < 4; ++n) {
+      const int c = col_of(n);
+      if (c >= kv) continue;
+      const bool second = c + 1 < kv;
+      if (p.dq != nullptr) {
+        uint16_t* out = static_cast<uint16_t*>(p.dq) + ch.batch * p.dq_stride[0] + tok * p.dq_stride[1] +
+                        h * p.dq_stride[2] + k0 + c;
+        if (p.vector_dqk) {
+          *reinterpret_cast<uint32_t*>(out) = X::pack(dq[n][2 * hr], dq[n][2 * hr + 1]);
+        } else {
+          out[0] = X::from_float(dq[n][2 * hr]);
+          if (second) out[1] = X::from_float(dq[n][2 * hr + 1]);
+        }
+      }
+      if (p.dk != nullptr) {
+        uint16_t* out = static_cast<uint16_t*>(p.dk) + ch.batch * p.dk_stride[0] + tok * p.dk_stride[1] +
+                        h * p.dk_stride[2] + k0 + c;
+        if (p.vector_dqk) {
+          *reinterpret_cast<uint32_t*>(out) = X::pack(dk[n][2 * hr], dk[n][2 * hr + 1]);
+        } else {
+          out[0] = X::from_float(dk[n][2 * hr]);
+          if (second) out[1] = X::from_float(dk[n][2 * hr + 1]);
+        }
+      }
+    }
   }
-  __syncthreads();
+  if (p.dg == nullptr) return;
 
   // ---- dg: reverse cumsum of x = q ⊙ dq - k ⊙ dk plus the chunk-end terms ----
+  __syncthreads();  // every warp's level copies are read: the union becomes x
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const float2 qt = X::to_float2(q_frag[n][hr]), kt = X::to_float2(k_frag[n][hr]);
+      const int t = row0 + fr + 8 * hr;
+      *reinterpret_cast<float2*>(sh.u.x + t * kLdX + col_of(n)) =
+          make_float2(qt.x * dq[n][2 * hr] - kt.x * dk[n][2 * hr], qt.y * dq[n][2 * hr + 1] - kt.y * dk[n][2 * hr + 1]);
+    }
+  }
+  __syncthreads();
   // Thread (column c, row group of kGroupRows rows): the group's sum, then the suffix of the later
   // groups and the chunk-end terms, then its own rows in reverse (a fixed order: reruns are bitwise).
-  if (p.dg != nullptr) {
+  {
     const int c = tid & 63, group = tid >> 6, t0 = kGroupRows * group;
     const int last_row = static_cast<int>(rows) - 1;
     float x[kGroupRows];
     float part = 0.0f;
 #pragma unroll
     for (int r = 0; r < kGroupRows; ++r) {
-      const int t = t0 + r;
-      x[r] = to_float(sh.q[t * kLd16 + c]) * sh.u.grad.dq[t * kLd32 + c] -
-             to_float(sh.k[t * kLd16 + c]) * sh.u.grad.dk[t * kLd32 + c];
-      if (t <= last_row) part += x[r];
+      x[r] = sh.u.x[(t0 + r) * kLdX + c];
+      if (t0 + r <= last_row) part += x[r];
     }
     sh.column_part[group][c] = part;
     __syncthreads();
-    float acc = detail::fast_exp2(sh.b[(kChunk - 1) * kTile + c]) * sh.rowsum[c] + sh.dk_inter_sum[c];
+    const float inter_sum = sh.inter_part[0][c] + sh.inter_part[1][c] + sh.inter_part[2][c] + sh.inter_part[3][c];
+    float acc = fast_exp2(sh.b[(kChunk - 1) * kLdGate + c]) * sh.rowsum[c] + inter_sum;
     for (int g = kRowGroups - 1; g > group; --g) acc += sh.column_part[g][c];
 #pragma unroll
     for (int r = kGroupRows - 1; r >= 0; --r) {
       const int t = t0 + r;
       if (t <= last_row) {
         acc += x[r];
-        sh.tmp[t * kLd32 + c] = c < kv ? acc : 0.0f;
+        sh.u.x[t * kLdX + c] = c < kv ? acc : 0.0f;
       }
     }
   }
   __syncthreads();
-  if (p.dg != nullptr) {
-    if (p.gate_per_head) {
-      if (tid < rows) {
-        float total = 0.0f;
-        for (int c = 0; c < kTile; ++c) total += sh.tmp[tid * kLd32 + c];
-        const int64_t token = ch.batch * p.T + ch.t0 + tid;
-        if (plan.key_tiles == 1) {
-          detail::store_any(p.dg, ch.batch * p.dg_stride[0] + (ch.t0 + tid) * p.dg_stride[1] + h * p.dg_stride[2],
-                            p.dg_dtype, total);
-        } else {
-          ws.gate_partials[(int64_t(blockIdx.z) * p.B * p.T + token) * p.H + h] = total;
-        }
+  if (p.gate_per_head) {
+    if (tid < rows) {
+      float total = 0.0f;
+      for (int c = 0; c < kTile; ++c) total += sh.u.x[tid * kLdX + c];
+      const int64_t token = ch.batch * p.T + ch.t0 + tid;
+      if (plan.key_tiles == 1) {
+        detail::store_any(p.dg, ch.batch * p.dg_stride[0] + (ch.t0 + tid) * p.dg_stride[1] + h * p.dg_stride[2],
+                          p.dg_dtype, total);
+      } else {
+        ws.gate_partials[(int64_t(blockIdx.z) * p.B * p.T + token) * p.H + h] = total;
       }
+    }
+  } else {
+    // Thread (column c, rows c / 64 + 4 i): one row pointer step per row, the type chosen once.
+    const int c = tid & 63;
+    if (c >= kv) return;
+    const int64_t step = kRowGroups * p.dg_stride[1];
+    const int64_t at = ch.batch * p.dg_stride[0] + (ch.t0 + (tid >> 6)) * p.dg_stride[1] + h * p.dg_stride[2] + k0 + c;
+    auto store_rows = [&](auto* out, auto convert) {
+      out += at;
+      for (int t = tid >> 6; t < rows; t += kRowGroups, out += step) *out = convert(sh.u.x[t * kLdX + c]);
+    };
+    if (p.dg_dtype == kF32) {
+      store_rows(static_cast<float*>(p.dg), [](float x) { return x; });
+    } else if (p.dg_dtype == kF16) {
+      store_rows(static_cast<uint16_t*>(p.dg), [](float x) { return detail::Elem<__half>::from_float(x); });
     } else {
-      for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
-        const int t = e >> 6, c = e & 63;
-        if (t < rows && c < kv) {
-          detail::store_any(p.dg, ch.batch * p.dg_stride[0] + (ch.t0 + t) * p.dg_stride[1] + h * p.dg_stride[2] + k0 + c,
-                            p.dg_dtype, sh.tmp[t * kLd32 + c]);
-        }
-      }
-    }
-  }
-  if (p.vector_dqk) {
-    // 16-byte stores: group e is row e / 8, columns 8 (e % 8) .. + 7 (K % 8 == 0).
-    for (int e = tid; e < kChunk * kTile / 8; e += kGradThreads) {
-      const int t = e >> 3, c = (e & 7) * 8;
-      if (t < rows && c < kv) {
-        const int64_t tok = ch.t0 + t;
-        auto pack = [&](const float* row) {
-          uint32_t w[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const E lo = from_float<E>(row[2 * j]), hi = from_float<E>(row[2 * j + 1]);
-            w[j] = uint32_t(reinterpret_cast<const uint16_t&>(lo)) | (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
-          }
-          return make_uint4(w[0], w[1], w[2], w[3]);
-        };
-        if (p.dq != nullptr) {
-          *reinterpret_cast<uint4*>(static_cast<E*>(p.dq) + ch.batch * p.dq_stride[0] + tok * p.dq_stride[1] +
-                                    h * p.dq_stride[2] + k0 + c) = pack(sh.u.grad.dq + t * kLd32 + c);
-        }
-        if (p.dk != nullptr) {
-          *reinterpret_cast<uint4*>(static_cast<E*>(p.dk) + ch.batch * p.dk_stride[0] + tok * p.dk_stride[1] +
-                                    h * p.dk_stride[2] + k0 + c) = pack(sh.u.grad.dk + t * kLd32 + c);
-        }
-      }
-    }
-    return;
-  }
-  for (int e = tid; e < kChunk * kTile; e += kGradThreads) {
-    const int t = e >> 6, c = e & 63;
-    if (t < rows && c < kv) {
-      const int64_t tok = ch.t0 + t;
-      if (p.dq != nullptr) {
-        static_cast<E*>(p.dq)[ch.batch * p.dq_stride[0] + tok * p.dq_stride[1] + h * p.dq_stride[2] + k0 + c] =
-            from_float<E>(sh.u.grad.dq[t * kLd32 + c]);
-      }
-      if (p.dk != nullptr) {
-        static_cast<E*>(p.dk)[ch.batch * p.dk_stride[0] + tok * p.dk_stride[1] + h * p.dk_stride[2] + k0 + c] =
-            from_float<E>(sh.u.grad.dk[t * kLd32 + c]);
-      }
+      store_rows(static_cast<uint16_t*>(p.dg), [](float x) { return detail::Elem<__nv_bfloat16>::from_float(x); });
     }
   }
 }
