@@ -25,7 +25,8 @@ Most of fla's first-call cost is compiling its candidate configurations, one aft
 and all at once, with Triton's autotune results not kept (TRITON_CACHE_AUTOTUNING unset in them):
 the compiled candidates land in TRITON_CACHE_DIR, and the measuring run that follows (same
 TRITON_CACHE_DIR) autotunes on a quiet GPU from those binaries instead of compiling. The children's
-own autotune timings overlap each other and are thrown away.
+own autotune timings overlap each other and are thrown away; with --fla-tune-ms they are shortened
+too.
 """
 import argparse
 import json
@@ -126,21 +127,35 @@ def rel_rms(a, b):
     return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
 
 
-def compile_fla(cases):
-    """--fla-compile-only: one child per case runs fla's forward and backward once; returns when all
-    have finished (0 if every child succeeded)."""
+def shorten_autotune(tune_ms):
+    """Triton's autotune times each candidate configuration with triton.testing.do_bench (handed to
+    the autotuner by Triton's NVIDIA driver when it first tunes): WARMUP,REP ms instead of 25,100."""
+    import functools
+
+    import triton.testing
+    warmup, rep = (float(x) for x in tune_ms.split(","))
+    triton.testing.do_bench = functools.partial(triton.testing.do_bench, warmup=warmup, rep=rep)
+
+
+def compile_fla(cases, tune_ms):
+    """--fla-compile-only: one child per case runs fla's forward and backward once (autotune timing
+    shortened to tune_ms when given); returns when all have finished (0 if every child succeeded)."""
     import os
     import subprocess
     env = dict(os.environ)
     env.pop("TRITON_CACHE_AUTOTUNING", None)
-    children = [subprocess.Popen([sys.executable, __file__, "--fla-compile-child", label], env=env) for label, *_ in cases]
+    extra = [tune_ms] if tune_ms else []
+    children = [subprocess.Popen([sys.executable, __file__, "--fla-compile-child", label] + extra, env=env)
+                for label, *_ in cases]
     codes = [c.wait() for c in children]
     for (label, *_), code in zip(cases, codes):
         print(f"fla compiled for {label}: exit {code}", flush=True)
     return 0 if all(c == 0 for c in codes) else 1
 
 
-def compile_child(label):
+def compile_child(label, tune_ms):
+    if tune_ms:
+        shorten_autotune(tune_ms)
     from fla.ops.gla import chunk_gla as fla_chunk_gla
     (_, B, T, H, K, V, cu), = [c for c in CASES if c[0] == label]
     for backward in (False, True):
@@ -151,8 +166,8 @@ def compile_child(label):
 
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--fla-compile-child":
-        return compile_child(sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--fla-compile-child":
+        return compile_child(sys.argv[2], sys.argv[3] if len(sys.argv) == 4 else "")
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", default="", help="comma-separated case labels, run in this order (default: all)")
@@ -167,14 +182,9 @@ def main():
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
     cases = sorted((c for c in CASES if c[0] in wanted), key=lambda c: wanted.index(c[0])) if wanted else CASES
     if args.fla_compile_only:
-        return compile_fla(cases)
+        return compile_fla(cases, args.fla_tune_ms)
     if args.fla_tune_ms and not args.no_fla:
-        import functools
-
-        import triton.testing
-        warmup, rep = (float(x) for x in args.fla_tune_ms.split(","))
-        # Triton's NVIDIA driver hands the autotuner triton.testing.do_bench when it first tunes.
-        triton.testing.do_bench = functools.partial(triton.testing.do_bench, warmup=warmup, rep=rep)
+        shorten_autotune(args.fla_tune_ms)
     if not args.no_fla:
         try:
             from fla.ops.gla import chunk_gla as fla_chunk_gla

@@ -1,12 +1,11 @@
 // Pieces the backward kernels share: tile geometry, locating a chunk, tile loads into shared memory,
-// the chunk-local gate cumsum and the WMMA fragment types.
+// the chunk-local gate cumsum.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 
 #include "backends/cuda/chunk_backward.hpp"
 #include "backends/cuda/device_utils.cuh"
@@ -21,25 +20,6 @@ constexpr int kLd32 = 68;   // row pitch of fp32 tiles (elements): 272 B rows
 // log2-unit floor of a gate: 2^-160 is 0 in fp32, so a hard reset (g = -inf, SPEC §3.8) stays a
 // reset, and chunk-local sums stay finite (no -inf - -inf).
 constexpr float kGateFloor = -160.0f;
-
-template <typename E>
-using FragA = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, E, nvcuda::wmma::row_major>;
-template <typename E>
-using FragAT = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, E, nvcuda::wmma::col_major>;
-template <typename E>
-using FragB = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, E, nvcuda::wmma::row_major>;
-template <typename E>
-using FragBT = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, E, nvcuda::wmma::col_major>;
-using FragC = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
-
-template <typename E>
-__device__ __forceinline__ E from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
 // Tokens [bos, bos + len) of batch row `batch`.
 using Span = detail::SeqSpan;
@@ -79,18 +59,24 @@ struct Tile16 {
   uint4 r[kGroups];
 };
 
+// Thread tid's groups of a tile: rows tid / 8 + (NT / 8) i, columns 8 (tid % 8) .. + 7 for every i,
+// so one row offset steps by NT / 8 rows (the per-group 64-bit index products were ~25 instructions
+// a group).
 template <int NT>
 __device__ __forceinline__ void load_tile(Tile16<NT>& regs, const void* base, const int64_t* stride, int64_t batch,
                                           int64_t t0, int64_t h, int64_t rows_valid, int64_t c0, int64_t cols_valid,
                                           bool vector, int tid) {
+  static_assert(NT % 8 == 0, "a thread's groups share their columns");
+  const int r0 = tid >> 3, c = (tid & 7) * 8;
   const uint16_t* src = static_cast<const uint16_t*>(base);
-  const int64_t row0 = batch * stride[0] + t0 * stride[1] + h * stride[2] + c0;
+  int64_t at = batch * stride[0] + (t0 + r0) * stride[1] + h * stride[2] + c0 + c;
+  const int64_t step = int64_t(NT / 8) * stride[1];
 #pragma unroll
-  for (int i = 0; i < Tile16<NT>::kGroups; ++i) {
-    const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8;
+  for (int i = 0; i < Tile16<NT>::kGroups; ++i, at += step) {
+    const int r = r0 + (NT / 8) * i;
     uint4 x = make_uint4(0, 0, 0, 0);
     if (src != nullptr && r < rows_valid) {
-      const uint16_t* row = src + row0 + r * stride[1] + c;
+      const uint16_t* row = src + at;
       if (vector) {
         if (c < cols_valid) x = *reinterpret_cast<const uint4*>(row);
       } else {
@@ -127,38 +113,50 @@ struct GateTile {
 template <int NT>
 __device__ __forceinline__ void load_gate_tile(GateTile<NT>& regs, const BackwardParams& p, int64_t batch, int64_t t0,
                                                int64_t h, int64_t rows_valid, int64_t c0, bool vector, int tid) {
+  static_assert(NT % 8 == 0, "a thread's groups share their columns");
   const int64_t cols_valid = p.gate_per_head ? kTile : p.K - c0;
-  const int64_t row0 = batch * p.g_stride[0] + t0 * p.g_stride[1] + h * p.g_stride[2] + (p.gate_per_head ? 0 : c0);
+  const int r0 = tid >> 3, c = (tid & 7) * 8;
+  int64_t at = batch * p.g_stride[0] + (t0 + r0) * p.g_stride[1] + h * p.g_stride[2] + (p.gate_per_head ? 0 : c0 + c);
+  const int64_t step = int64_t(NT / 8) * p.g_stride[1];
 #pragma unroll
-  for (int i = 0; i < GateTile<NT>::kGroups; ++i) {
-    const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8;
+  for (int i = 0; i < GateTile<NT>::kGroups; ++i, at += step) {
+    const int r = r0 + (NT / 8) * i;
+    // Entries past the chunk or past K stay 0 (and fmaxf(0, floor) is 0 below).
     float x[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = 0.0f;
     if (r < rows_valid) {
-      const int64_t at = row0 + r * p.g_stride[1];
       if (p.gate_per_head) {
         const float y = detail::load_any(p.g, at, p.gate_dtype);
 #pragma unroll
         for (int j = 0; j < 8; ++j) x[j] = y;
       } else if (vector && p.gate_dtype != kF32) {
-        if (c < cols_valid) {
-          const uint4 w = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.g) + at + c);
+        if (c < cols_valid) {  // K % 8 == 0 on this path: the whole group is inside
+          const uint4 w = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.g) + at);
           const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+          if (p.gate_dtype == kBF16) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint16_t lo = words[j] & 0xffffu, hi = words[j] >> 16;
-            x[2 * j] = p.gate_dtype == kBF16 ? __uint_as_float(uint32_t(lo) << 16) : __half2float(__ushort_as_half(lo));
-            x[2 * j + 1] = p.gate_dtype == kBF16 ? __uint_as_float(uint32_t(hi) << 16) : __half2float(__ushort_as_half(hi));
+            for (int j = 0; j < 4; ++j) {
+              const float2 f = detail::Elem<__nv_bfloat16>::to_float2(words[j]);
+              x[2 * j] = f.x;
+              x[2 * j + 1] = f.y;
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 f = detail::Elem<__half>::to_float2(words[j]);
+              x[2 * j] = f.x;
+              x[2 * j + 1] = f.y;
+            }
           }
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) x[j] = c + j < cols_valid ? detail::load_any(p.g, at + c + j, p.gate_dtype) : 0.0f;
+        for (int j = 0; j < 8; ++j) x[j] = c + j < cols_valid ? detail::load_any(p.g, at + j, p.gate_dtype) : 0.0f;
       }
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) regs.r[i][j] = r < rows_valid && c + j < cols_valid ? fmaxf(x[j] * kLog2e, kGateFloor) : 0.0f;
+    for (int j = 0; j < 8; ++j) regs.r[i][j] = fmaxf(x[j] * kLog2e, kGateFloor);
   }
 }
 

@@ -44,6 +44,11 @@ constexpr int kLdGate = 72;    // b pitch (floats): float2 reads at C-fragment p
 constexpr int kLdX = 72;       // pitch of dg's fp32 tile, same reason
 constexpr int kLdCopy = 40;    // pitch of a warp's 32-column copies (16-bit): 80 B rows, conflict-free ldmatrix
 constexpr int kCopyRows = 48;  // pivoted keys (16 i rows) + pivoted queries (48 - 16 i rows)
+constexpr int kLdLevel = 24;   // pitch of the level-masked 16 x 16 blocks of dA: 48 B rows, conflict-free ldmatrix
+
+// The pivot level of the pair (t, s) of a 16-row block, t > s: the highest bit of t ^ s (H = 2^level,
+// pivot at the last row of the first half of its 2H-row group); 4 (none) for t <= s.
+__device__ __forceinline__ int pivot_level(int t, int s) { return t > s ? 31 - __clz(t ^ s) : 4; }
 
 struct DqkValueTiles {
   alignas(128) uint16_t dO[kChunk * kLd16];
@@ -61,6 +66,8 @@ struct DqkShared {
     struct {
       alignas(128) uint16_t dA[kChunk * kLd16];  // [t][s], scale included; blocks above the diagonal unused
       alignas(128) uint16_t copies[kGradWarps][kCopyRows * kLdCopy];  // per warp: pivoted copies, then level copies
+      // dA's diagonal block i masked to the pairs of pivot level l: [i][l][16 x kLdLevel].
+      alignas(128) uint16_t level_dA[4][4][16 * kLdLevel];
     } after;
     alignas(128) float x[kChunk * kLdX];  // q ⊙ dq - k ⊙ dk, then dg (dA and the copies are done with)
   } u;
@@ -78,12 +85,16 @@ __device__ __forceinline__ void stage_tile(uint16_t* dst, const void* base, cons
                                            int64_t t0, int64_t h, int64_t rows_valid, int64_t c0, int64_t cols_valid,
                                            bool vector, int tid) {
   if (vector && base != nullptr) {
-    const uint16_t* src = static_cast<const uint16_t*>(base) + batch * stride[0] + t0 * stride[1] + h * stride[2] + c0;
+    static_assert(NT % 8 == 0, "a thread's groups share their columns");
+    const int r0 = tid >> 3, c = (tid & 7) * 8;
+    const uint16_t* row =
+        static_cast<const uint16_t*>(base) + batch * stride[0] + (t0 + r0) * stride[1] + h * stride[2] + c0 + c;
+    const int64_t step = int64_t(NT / 8) * stride[1];
 #pragma unroll
-    for (int i = 0; i < Tile16<NT>::kGroups; ++i) {
-      const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8;
+    for (int i = 0; i < Tile16<NT>::kGroups; ++i, row += step) {
+      const int r = r0 + (NT / 8) * i;
       const bool ok = r < rows_valid && c < cols_valid;
-      detail::cp_async16(dst + r * kLd16 + c, ok ? src + r * stride[1] + c : src, ok);
+      detail::cp_async16(dst + r * kLd16 + c, ok ? row : static_cast<const uint16_t*>(base), ok);
     }
   } else {
     Tile16<NT> regs;
@@ -99,11 +110,6 @@ __device__ __forceinline__ float2 pair_at(const float* tile, int pitch, int row,
 template <typename X>
 __device__ __forceinline__ float2 pair_at(const uint16_t* tile, int pitch, int row, int col) {
   return X::to_float2(*reinterpret_cast<const uint32_t*>(tile + row * pitch + col));
-}
-
-// Keeps the 16-bit halves of an A-fragment register whose flags are set.
-__device__ __forceinline__ uint32_t keep_halves(uint32_t x, bool lo, bool hi) {
-  return x & ((lo ? 0x0000ffffu : 0u) | (hi ? 0xffff0000u : 0u));
 }
 
 // grid: (num_chunks, H, key_tiles)
@@ -143,14 +149,15 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     stage_tile<kGradThreads>(d.dS, dS_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
     detail::cp_async_commit();
   };
-  stage_tile<kGradThreads>(sh.q, p.q, p.q_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
-  stage_tile<kGradThreads>(sh.k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
-  detail::cp_async_commit();
-  if (plan.value_tiles > 0) stage_values(0, 0);
-  if (plan.value_tiles > 1) stage_values(1, 1);
   {
+    // The gate's loads first: their latency passes while the copies are issued.
     GateTile<kGradThreads> gate;
     load_gate_tile(gate, p, ch.batch, ch.t0, h, rows, k0, p.vector_gate, tid);
+    stage_tile<kGradThreads>(sh.q, p.q, p.q_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
+    stage_tile<kGradThreads>(sh.k, p.k, p.k_stride, ch.batch, ch.t0, h, rows, k0, kv, p.vector_loads, tid);
+    detail::cp_async_commit();
+    if (plan.value_tiles > 0) stage_values(0, 0);
+    if (plan.value_tiles > 1) stage_values(1, 1);
     gate_cumsum<kGradThreads, kLdGate>(sh.b, gate, &sh.column_part[0][0], tid);
   }
 
@@ -261,8 +268,17 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         inter[n][0] += kt.x * dk[n][2 * hr];
         inter[n][1] += kt.y * dk[n][2 * hr + 1];
         if (2 * (warp >> 2) + n / 2 <= blk) {
-          *reinterpret_cast<uint32_t*>(sh.u.after.dA + t * kLd16 + c) =
-              X::pack(p.scale * da[n][2 * hr], p.scale * da[n][2 * hr + 1]);
+          const float d0 = p.scale * da[n][2 * hr], d1 = p.scale * da[n][2 * hr + 1];
+          *reinterpret_cast<uint32_t*>(sh.u.after.dA + t * kLd16 + c) = X::pack(d0, d1);
+          if (2 * (warp >> 2) + n / 2 == blk) {  // the diagonal block, once per level
+            const int tl = fr + 8 * hr, sl = 8 * (n & 1) + fc;
+            const int l0 = pivot_level(tl, sl), l1 = pivot_level(tl, sl + 1);
+#pragma unroll
+            for (int level = 0; level < 4; ++level) {
+              *reinterpret_cast<uint32_t*>(sh.u.after.level_dA[blk][level] + tl * kLdLevel + sl) =
+                  X::pack(l0 == level ? d0 : 0.0f, l1 == level ? d1 : 0.0f);
+            }
+          }
         }
       }
     }
@@ -288,20 +304,20 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     const int pc = col0 + 2 * (lane & 15);  // this lane's column pair
     const float2 pivot_k = blk > 0 ? pair_at(sh.b, kLdGate, row0 - 1, pc) : make_float2(0.0f, 0.0f);
     const float2 pivot_q = pair_at(sh.b, kLdGate, row0 + 15, pc);
+    const int half_row = lane >> 4, cw = 2 * (lane & 15);  // two rows per pass, 16 column pairs
 #pragma unroll 4
-    for (int m = 0; m < kCopyRows / 2; ++m) {
-      const int r = 2 * m + (lane >> 4);  // row0 is a multiple of 16: the branch is warp-uniform
-      uint32_t out;
-      if (r < row0) {
-        const float2 bs = pair_at(sh.b, kLdGate, r, pc);
-        const float2 ks = pair_at<X>(sh.k, kLd16, r, pc);
-        out = X::pack(ks.x * fast_exp2(pivot_k.x - bs.x), ks.y * fast_exp2(pivot_k.y - bs.y));
-      } else {
-        const float2 bt = pair_at(sh.b, kLdGate, r + 16, pc);
-        const float2 qt = pair_at<X>(sh.q, kLd16, r + 16, pc);
-        out = X::pack(qt.x * fast_exp2(bt.x - pivot_q.x), qt.y * fast_exp2(bt.y - pivot_q.y));
-      }
-      *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 2 * (lane & 15)) = out;
+    for (int r = half_row; r < row0; r += 2) {
+      const float2 bs = pair_at(sh.b, kLdGate, r, pc);
+      const float2 ks = pair_at<X>(sh.k, kLd16, r, pc);
+      *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + cw) =
+          X::pack(ks.x * fast_exp2(pivot_k.x - bs.x), ks.y * fast_exp2(pivot_k.y - bs.y));
+    }
+#pragma unroll 4
+    for (int r = row0 + half_row; r < kCopyRows; r += 2) {
+      const float2 bt = pair_at(sh.b, kLdGate, r + 16, pc);
+      const float2 qt = pair_at<X>(sh.q, kLd16, r + 16, pc);
+      *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + cw) =
+          X::pack(qt.x * fast_exp2(bt.x - pivot_q.x), qt.y * fast_exp2(bt.y - pivot_q.y));
     }
   }
   __syncwarp();
@@ -367,30 +383,9 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   // fp16's rounding is 8x finer and passes with one part.
   constexpr bool kSplitCopies = std::is_same_v<E, __nv_bfloat16>;
   {
-    uint32_t a_dq[4], a_dk[4];  // dA_{blk,blk} (rows t, columns s) and its transpose (rows s, columns t)
-    ldsm_x4(a_dq, sh.u.after.dA + (row0 + a_row) * kLd16 + row0 + a_col);
-    ldsm_x4_trans(a_dk, sh.u.after.dA + (row0 + b_row) * kLd16 + row0 + b_col);
-    // Register r of an A fragment holds (row fr + 8 (r & 1), columns fc + 8 (r >> 1) + {0, 1}).
-    // The level of the pair (t, s), t > s, is the highest bit of t ^ s; 4 (none) for t <= s.
-    // Bit 16 level + 2 r + j (dq) and 16 level + 8 + 2 r + j (dk): half j of register r belongs
-    // to `level`. One 64-bit mask instead of 16 level numbers: the level loop stays rolled and
-    // within 128 registers.
-    auto level_of = [](int t, int s) { return t > s ? 31 - __clz(t ^ s) : 4; };
-    uint64_t level_bits = 0;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = fr + 8 * (r & 1), col = fc + 8 * (r >> 1);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int lq = level_of(row, col + j), lk = level_of(col + j, row);  // (t, s) = (row, col) / (col, row)
-        if (lq < 4) level_bits |= uint64_t(1) << (16 * lq + 2 * r + j);
-        if (lk < 4) level_bits |= uint64_t(1) << (16 * lk + 8 + 2 * r + j);
-      }
-    }
 #pragma unroll 1
     for (int level = 3; level >= 0; --level) {  // H = 2^level
       const int H = 1 << level;
-      const uint32_t keep = static_cast<uint32_t>(level_bits >> (16 * level));
       // This lane's rows of the level copy: row r's group starts at (r / 2H) 2H, its pivot is the
       // group's row H - 1; keys (first half) times 2^{b_pivot - b_r}, queries times 2^{b_r - b_pivot}.
       float2 f[4][2];
@@ -399,12 +394,12 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         const int r = fr + 8 * hr;
         const int pivot_row = row0 + (r & ~(2 * H - 1)) + H - 1;
         const bool key_half = (r & H) == 0;
+        const float sign = key_half ? 1.0f : -1.0f;  // one exponent per entry, not both and a select
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           const float2 pv = pair_at(sh.b, kLdGate, pivot_row, col_of(n));
           const float2 br = b_frag[n][hr];
-          f[n][hr] = key_half ? make_float2(fast_exp2(pv.x - br.x), fast_exp2(pv.y - br.y))
-                              : make_float2(fast_exp2(br.x - pv.x), fast_exp2(br.y - pv.y));
+          f[n][hr] = make_float2(fast_exp2(sign * (pv.x - br.x)), fast_exp2(sign * (pv.y - br.y)));
           const float2 m = X::to_float2(key_half ? k_frag[n][hr] : q_frag[n][hr]);
           const float x0 = m.x * f[n][hr].x, x1 = m.y * f[n][hr].y;
           const uint32_t high = X::pack(x0, x1);
@@ -415,25 +410,23 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
           }
         }
       }
+      // dA_{blk,blk} masked to the level's pairs (rows t, columns s) for dq, and its transpose for dk.
       uint32_t aq[4], ak[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        aq[r] = keep_halves(a_dq[r], keep >> (2 * r) & 1, keep >> (2 * r + 1) & 1);
-        ak[r] = keep_halves(a_dk[r], keep >> (8 + 2 * r) & 1, keep >> (9 + 2 * r) & 1);
-      }
+      const uint16_t* masked = sh.u.after.level_dA[blk][level];
+      ldsm_x4(aq, masked + a_row * kLdLevel + a_col);
+      ldsm_x4_trans(ak, masked + b_row * kLdLevel + b_col);
       __syncwarp();
       float accq[4][4], acck[4][4];
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) accq[n][e] = acck[n][e] = 0.0f;
-      }
-#pragma unroll
       for (int np = 0; np < 2; ++np) {
-#pragma unroll
-        for (int part = 0; part < (kSplitCopies ? 2 : 1); ++part) {
-          uint32_t bb[4];
-          ldsm_x4_trans(bb, copy + (16 * part + a_row) * kLdCopy + 16 * np + a_col);
+        uint32_t bb[4];
+        ldsm_x4_trans(bb, copy + a_row * kLdCopy + 16 * np + a_col);
+        X::mma_first(accq[2 * np], aq, bb[0], bb[1]);
+        X::mma_first(accq[2 * np + 1], aq, bb[2], bb[3]);
+        X::mma_first(acck[2 * np], ak, bb[0], bb[1]);
+        X::mma_first(acck[2 * np + 1], ak, bb[2], bb[3]);
+        if constexpr (kSplitCopies) {
+          ldsm_x4_trans(bb, copy + (16 + a_row) * kLdCopy + 16 * np + a_col);
           X::mma(accq[2 * np], aq, bb[0], bb[1]);
           X::mma(accq[2 * np + 1], aq, bb[2], bb[3]);
           X::mma(acck[2 * np], ak, bb[0], bb[1]);
