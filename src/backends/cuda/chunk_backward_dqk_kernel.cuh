@@ -23,9 +23,11 @@
 //                level of the highest bit of t ^ s (H = 8, 4, 2, 1); pivoted at the last row of
 //                the first half of its 2H-row group, both factors are <= 1. Per level the warp
 //                writes one copy of its 16 rows (keys in first halves, queries in second halves,
-//                each times its factor), and dA masked to the level's pairs (row-major for dq,
-//                transposed for dk) multiplies it; the outputs take the same factor back.
-// The element-wise 16 x 16 diagonal this replaces was ~1/5 of the kernel's instructions.
+//                each times its factor), and dA masked to the level's pairs (stored once per
+//                level with dA; loaded row-major for dq, transposed for dk) multiplies it; the
+//                outputs take the same factor back.
+// An element-wise 16 x 16 diagonal (136 pairs per column, an exponent each) was ~1/5 of the
+// instructions of a kernel that took 1.78 ms at B8 T4096 H16 D128, against 1.03 ms for this one.
 #pragma once
 
 #include <type_traits>
