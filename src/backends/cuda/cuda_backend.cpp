@@ -376,8 +376,8 @@ class CudaBackend final : public Backend {
     if (p.backward) {
       const cuda::BackwardPlan plan = backward_plan(p);
       std::string s =
-          "chunk backward: state walks per (sequence, head, 64x64 state block), then dq/dk/dg per (chunk, head, "
-          "key tile of 64) on tensor cores; " +
+          "chunk backward: state walks per (sequence, head, block of 64 keys x 128 values), then dq/dk/dg per "
+          "(chunk, head, key tile of 64) on tensor cores; " +
           std::to_string(plan.key_tiles) + " key tile(s), " + std::to_string(plan.workspace_bytes) +
           " workspace bytes (bf16 chunk states and state gradients, the reversed gate)";
       if (present(p.dv)) s += "; dv by the forward run in reverse time: " + std::string(cuda::kernel_name(plan.values.kernel).description);
