@@ -21,6 +21,11 @@ configuration (Triton's default is 25 ms of warm-up and 100 ms of repetitions pe
 timings in the table are this script's own, of the configuration fla chose.
 
 Most of fla's first-call cost is compiling its candidate configurations, one after another.
+--autotune-dir DIR seeds Triton's autotune cache with the choices of earlier runs (the small
+*.autotune.json files under bench/cuda/fla_autotune/, see triton_autotune_cache.py): for those
+shapes fla compiles only its chosen configurations and times none. --autotune-out DIR collects the
+run's new choices for committing.
+
 --fla-compile-only runs fla's forward and backward once per case in child processes, one per case
 and all at once, with Triton's autotune results not kept (TRITON_CACHE_AUTOTUNING unset in them):
 the compiled candidates land in TRITON_CACHE_DIR, and the measuring run that follows (same
@@ -177,7 +182,14 @@ def main():
     ap.add_argument("--fla-compile-only", action="store_true",
                     help="compile fla's candidates for every case in parallel child processes, then exit")
     ap.add_argument("--fla-tune-ms", default="", help="WARMUP,REP of Triton's autotune timing (default: Triton's 25,100)")
+    ap.add_argument("--autotune-dir", default="",
+                    help="seed Triton's autotune cache from this folder of *.autotune.json (triton_autotune_cache.py)")
+    ap.add_argument("--autotune-out", default="",
+                    help="after the run, copy the cache's new autotune files here (default: --autotune-dir)")
     args = ap.parse_args()
+    if args.autotune_dir and not args.no_fla:
+        import triton_autotune_cache
+        print(f"autotune files seeded from {args.autotune_dir}: {triton_autotune_cache.seed(args.autotune_dir)}")
     fla_chunk_gla = None
     wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
     cases = sorted((c for c in CASES if c[0] in wanted), key=lambda c: wanted.index(c[0])) if wanted else CASES
@@ -221,6 +233,10 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    out = args.autotune_out or args.autotune_dir
+    if out and not args.no_fla:
+        import triton_autotune_cache
+        print(f"autotune files harvested into {out}: {triton_autotune_cache.harvest(out)}")
 
 
 if __name__ == "__main__":
