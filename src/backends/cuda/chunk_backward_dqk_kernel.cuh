@@ -77,6 +77,9 @@ struct DqkShared {
   float inter_part[4][kTile];  // per sub-chunk: column sums of k ⊙ dk^inter
   float column_part[kRowGroups][kTile];  // per-column partial sums of row groups (gate cumsum, dg)
 };
+// Two CTAs per SM on sm_90 (228 KiB of shared memory, 1 KiB reserved per CTA): the design's other
+// half of the latency hiding (one CTA's loads and barriers overlap the other's work).
+static_assert(sizeof(DqkShared) <= (228 * 1024 - 2 * 1024) / 2, "dqk_kernel must fit two CTAs per SM");
 
 // A 64 x 64 tile of 16-bit elements into shared memory (pitch kLd16) with load_tile's element
 // mapping (group e = tid + NT i: row e / 8, columns 8 (e % 8) ..): by cp.async when rows are 16-byte
