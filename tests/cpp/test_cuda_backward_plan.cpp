@@ -124,6 +124,18 @@ void expect_layout(const Planned& r) {
   }
 }
 
+// The most shared memory any of the call's kernels needs: the walks always, dq/dk/dg when one of
+// them is wanted, the reversed forward's kernel when dv is.
+TEST(CudaBackwardPlan, SharedMemoryOfTheCallsKernels) {
+  const Planned all = plan_for({});
+  EXPECT_EQ(all.plan.shared_bytes, std::max({cuda::backward::kScanSharedBytes, cuda::backward::kDqkSharedBytes,
+                                             all.plan.values.shared_bytes}));
+  EXPECT_GT(all.plan.values.shared_bytes, cuda::backward::kDqkSharedBytes);  // the K = 128 forward's
+  EXPECT_EQ(plan_for({.dv = false}).plan.shared_bytes, cuda::backward::kDqkSharedBytes);
+  const Planned narrow = plan_for({.K = 64, .V = 64});
+  EXPECT_EQ(narrow.plan.shared_bytes, std::max(cuda::backward::kDqkSharedBytes, narrow.plan.values.shared_bytes));
+}
+
 TEST(CudaBackwardPlan, TilesAndWalkBlocksByShape) {
   struct Row {
     int64_t K, V;

@@ -10,9 +10,11 @@
 #include <limits>
 #include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backends/cuda/chunk_forward.hpp"
+#include "backends/cuda/chunk_layout.hpp"
 
 namespace gla::test {
 namespace {
@@ -86,6 +88,44 @@ TEST(CudaPlan, KernelChoiceByShape) {
     EXPECT_EQ(plan.value_tile, r.value_tile);
     EXPECT_EQ(plan.value_tiles, r.value_tiles);
   }
+}
+
+// Each plan reports its kernel's dynamic shared memory (check_more compares it with the device's
+// per-block limit): the layout the launcher passes, for each kernel kind.
+TEST(CudaPlan, SharedMemoryOfThePlannedKernel) {
+  using cuda::detail::chunk_smem_layout;
+  using cuda::detail::ws_smem_layout;
+  EXPECT_EQ(plan_for({}).shared_bytes, size_t(ws_smem_layout(128, false, 1).total));
+  EXPECT_EQ(plan_for({.gate_dtype = cuda::kF32, .per_head = 1}).shared_bytes, size_t(ws_smem_layout(128, true, 1).total));
+  EXPECT_EQ(plan_for({.K = 64, .V = 64}).shared_bytes, size_t(ws_smem_layout(64, false, 2).total));
+  EXPECT_EQ(plan_for({.gate_dtype = cuda::kF32}).shared_bytes, size_t(chunk_smem_layout(128, 128, 4, false).total));
+  EXPECT_EQ(plan_for({.K = 60, .V = 60, .vector_loads = 0}).shared_bytes, size_t(chunk_smem_layout(64, 64, 2, false).total));
+  EXPECT_EQ(plan_for({.K = 256, .V = 256}).shared_bytes, plan_for({}).shared_bytes);  // two K = 128 halves
+  EXPECT_EQ(plan_for({.dtype = cuda::kF32, .gate_dtype = cuda::kF32}).shared_bytes, cuda::detail::recurrent_smem_bytes(128));
+  // What that means on the GPUs of compute capability 8.x and 9.0 (opt-in per block): an H200 /
+  // H100 (232 448 B) runs every plan, an A100 (166 912 B) the K <= 64 ones, sm_86 / sm_89
+  // (101 376 B) none of the chunk kernels.
+  for (const Shape& s : {Shape{}, Shape{.gate_dtype = cuda::kF32}, Shape{.vector_loads = 0}}) {
+    EXPECT_LE(plan_for(s).shared_bytes, 232448u);
+    EXPECT_GT(plan_for(s).shared_bytes, 166912u);
+  }
+  for (const Shape& s : {Shape{.K = 64, .V = 64}, Shape{.K = 64, .V = 64, .gate_dtype = cuda::kF32}}) {
+    EXPECT_LE(plan_for(s).shared_bytes, 166912u);
+    EXPECT_GT(plan_for(s).shared_bytes, 101376u);
+  }
+}
+
+TEST(CudaPlan, SharedMemoryShortfallNamesBothFigures) {
+  EXPECT_FALSE(cuda::shared_memory_shortfall(1000, 1000, false).has_value());
+  EXPECT_FALSE(cuda::shared_memory_shortfall(0, 0, true).has_value());
+  const auto forward = cuda::shared_memory_shortfall(229664, 166912, false);
+  ASSERT_TRUE(forward.has_value());
+  EXPECT_NE(forward->find("forward"), std::string::npos) << *forward;
+  EXPECT_NE(forward->find("229664"), std::string::npos) << *forward;
+  EXPECT_NE(forward->find("166912"), std::string::npos) << *forward;
+  const auto backward = cuda::shared_memory_shortfall(112896, 101376, true);
+  ASSERT_TRUE(backward.has_value());
+  EXPECT_NE(backward->find("backward"), std::string::npos) << *backward;
 }
 
 TEST(CudaPlan, RecurrentKernelForFp32AndWideKeys) {

@@ -10,6 +10,8 @@
 
 namespace gla::cuda {
 namespace backward {
+static_assert(sizeof(ScanShared) == kScanSharedBytes, "update kScanSharedBytes (chunk_backward.hpp): the planner reports it");
+static_assert(sizeof(DqkShared) == kDqkSharedBytes, "update kDqkSharedBytes (chunk_backward.hpp): the planner reports it");
 namespace {
 
 constexpr int kOffsetThreads = 1024;

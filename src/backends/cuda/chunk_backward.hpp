@@ -72,6 +72,10 @@ constexpr int kChunk = detail::kChunk;  // tokens per chunk (SPEC.md §2)
 constexpr int kTile = 64;               // key / value columns per tile
 constexpr int kScanValues = 128;        // value columns per state walk (two tiles)
 constexpr int kStateBytes = 2;          // bf16 chunk states and state gradients in the workspace
+// Dynamic shared memory per block of the state walks and of the dq/dk/dg kernel
+// (sizeof(ScanShared), sizeof(DqkShared): chunk_backward.cu checks them).
+constexpr size_t kScanSharedBytes = 61696;
+constexpr size_t kDqkSharedBytes = 112896;
 }  // namespace backward
 
 // Where each intermediate lives in the workspace (byte offsets, 256-byte aligned).
@@ -96,11 +100,14 @@ struct BackwardPlan {
   size_t reversed_dht = 0;         // fp32 [N, H, K, V]: dht / scale, sequences reversed with varlen
   size_t zero_values = 0;          // 16-bit [B, T, H, V] zeros: do absent or scale = 0
   size_t workspace_bytes = 0;
+  size_t shared_bytes = 0;         // the most dynamic shared memory per block of the call's kernels
 };
 
 // seq_offsets: host copy of the N + 1 offsets (per-row 0, T, 2T... without varlen); sm_count of the
 // device (the reversed forward's segment planner).
 BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, int sm_count);
+// BackwardPlan::shared_bytes, without the sequence lengths (num_chunks > 0 stands for "some chunk").
+size_t backward_shared_bytes(const BackwardParams& p);
 
 namespace backward {
 // dv is the chunk forward run backwards in time (docs/cuda_backward.md): the forward problem whose

@@ -13,6 +13,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -78,6 +80,7 @@ struct ForwardPlan {
   int64_t segment_chunks = 0;  // segment length in 64-token chunks
   int64_t max_segments = 0;    // per sequence (grid size)
   size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1), + the partial o
+  size_t shared_bytes = 0;     // dynamic shared memory per block of the kernel (the device must allow it)
   // 128 < K <= 256 (16-bit inputs): the chunk kernel runs once per key half (keys 0..127, then
   // 128..K-1; the state's key rows split the same way, and A and o are sums over the keys). The
   // tiling above is the plan of one K = 128 half. key_split 2 (the warp-specialised kernel): the
@@ -91,6 +94,14 @@ struct ForwardPlan {
   int32_t block_order_count = 0;
   int32_t block_order[detail::kMaxBlockOrder] = {};
 };
+
+// Why a device cannot run a plan whose kernels need `need` bytes of dynamic shared memory per block
+// when it allows `available` (cudaDevAttrMaxSharedMemoryPerBlockOptin); nullopt when it can.
+std::optional<std::string> shared_memory_shortfall(size_t need, int available, bool backward);
+
+// ForwardPlan::shared_bytes of the problem's plan, without the sequence lengths (the dispatcher
+// checks it before device-only cu_seqlens are copied to the host).
+size_t forward_shared_bytes(const ForwardParams& p);
 
 // Plans a forward. seq_offsets: host copy of the N + 1 offsets (per-row 0, T, 2T... without varlen).
 ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int sm_count);

@@ -32,68 +32,7 @@
 
 namespace gla::cuda::detail {
 
-// Shared-memory layout (bytes) of the warp-specialised kernel. Indexed buffers are base + i * step
-// (no arrays: a struct indexed at run time would live in local memory).
-struct WsSmem {
-  int pq, pv, pa, pr;       // pitches (elements): tiles read by ldmatrix (padded), v, A, raw stage
-  int q, k, g;              // raw stage
-  int lvl0, lvl_step;       // level copies h = 8, 4, 2
-  int v0, v_step;           // two v stages
-  int slot0, slot_step;     // two slots, each {qw, kw, A, decay} at the offsets below
-  int s_qw, s_kw, s_a, s_dfac;
-  int tot, htot, dpart;     // htot: per-half sub-chunk totals (split items only)
-  int ofac;                 // the far off-diagonal blocks' factors: 2^{Tot_1}, 2^{Tot_2}, 2^{Tot_1 + Tot_2}
-  int mbar;                 // 4 mbarriers (READY[2], FREE[2]) for the mbarrier hand-off
-  int total;
-  __host__ __device__ int lvl(int i) const { return lvl0 + i * lvl_step; }
-  __host__ __device__ int v(int i) const { return v0 + i * v_step; }
-  __host__ __device__ int qw(int i) const { return slot0 + i * slot_step + s_qw; }
-  __host__ __device__ int kw(int i) const { return slot0 + i * slot_step + s_kw; }
-  __host__ __device__ int a(int i) const { return slot0 + i * slot_step + s_a; }
-  __host__ __device__ int dfac(int i) const { return slot0 + i * slot_step + s_dfac; }
-};
-// Per prep warp: RS row sums of q.k, then RS/2 pair sums (RS = 16 / halves rows per item).
-__host__ __device__ constexpr int ws_dpart_stride(int halves) { return (16 / halves) * 3 / 2; }
-// The far blocks' factor table (and the A-phase split that gives the far blocks warps of their
-// own) only where it measured faster: DK = 128 with one prep thread per item (H200, B8 T4096 H16
-// D128 0.388 -> 0.380 ms; with split items at D64 0.365 -> 0.377 ms, so not there).
-__host__ __device__ constexpr bool ws_far_factor_table(int dk, int halves) { return dk == 128 && halves == 1; }
-// halves = 2: split items (two prep threads per element-wise item, 8 rows each).
-__host__ __device__ inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
-  WsSmem s{};
-  s.pq = dk + 8;
-  s.pv = dk + 8;
-  s.pa = kChunk + 8;
-  // The raw stage is only read row-wise (a warp reads 32 column pairs of one row, conflict-free at
-  // any pitch), never by ldmatrix: no padding.
-  s.pr = dk;
-  const int tile = kChunk * s.pq * 2;
-  const int raw = kChunk * s.pr * 2;
-  int off = 0;
-  s.q = off; off += raw;
-  s.k = off; off += raw;
-  s.g = off; off += per_head ? kChunk * 4 : raw;
-  s.lvl0 = off; s.lvl_step = tile; off += 3 * tile;
-  s.v0 = off; s.v_step = kChunk * s.pv * 2; off += 2 * s.v_step;
-  s.s_qw = 0;
-  s.s_kw = tile;
-  s.s_a = 2 * tile;
-  s.s_dfac = s.s_a + kChunk * s.pa * 2;
-  s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
-  s.tot = off; off += 4 * dk * 4;
-  s.htot = off; off += halves > 1 ? 4 * halves * dk * 4 : 0;
-  s.dpart = off; off += (2 * dk * halves / 32) * ws_dpart_stride(halves) * 4;
-  off = (off + 15) & ~15;
-  s.ofac = -1;
-  if (ws_far_factor_table(dk, halves)) {
-    s.ofac = off;
-    off += 3 * dk * 4;
-  }
-  off = (off + 7) & ~7;
-  s.mbar = off; off += 4 * 8;
-  s.total = off;
-  return s;
-}
+// WsSmem, ws_smem_layout: chunk_layout.hpp (the planner sizes the kernel's shared memory too).
 
 __device__ __forceinline__ void named_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");

@@ -1,8 +1,9 @@
 // Host-side facts about the chunk kernels that the planner needs without compiling device code:
-// the chunk length, the segment-split arguments and the single-role kernel's shared-memory layout
+// the chunk length, the segment-split arguments and the forward kernels' shared-memory layouts
 // (computed identically on host and device).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #ifdef __CUDACC__
@@ -71,6 +72,77 @@ GLA_HD inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool p
   s.dpart = s.total;
   s.total += (bv / 16) * 16 * 4;
   return s;
+}
+
+// Shared-memory layout (bytes) of the warp-specialised kernel. Indexed buffers are base + i * step
+// (no arrays: a struct indexed at run time would live in local memory).
+struct WsSmem {
+  int pq, pv, pa, pr;       // pitches (elements): tiles read by ldmatrix (padded), v, A, raw stage
+  int q, k, g;              // raw stage
+  int lvl0, lvl_step;       // level copies h = 8, 4, 2
+  int v0, v_step;           // two v stages
+  int slot0, slot_step;     // two slots, each {qw, kw, A, decay} at the offsets below
+  int s_qw, s_kw, s_a, s_dfac;
+  int tot, htot, dpart;     // htot: per-half sub-chunk totals (split items only)
+  int ofac;                 // the far off-diagonal blocks' factors: 2^{Tot_1}, 2^{Tot_2}, 2^{Tot_1 + Tot_2}
+  int mbar;                 // 4 mbarriers (READY[2], FREE[2]) for the mbarrier hand-off
+  int total;
+  GLA_HD int lvl(int i) const { return lvl0 + i * lvl_step; }
+  GLA_HD int v(int i) const { return v0 + i * v_step; }
+  GLA_HD int qw(int i) const { return slot0 + i * slot_step + s_qw; }
+  GLA_HD int kw(int i) const { return slot0 + i * slot_step + s_kw; }
+  GLA_HD int a(int i) const { return slot0 + i * slot_step + s_a; }
+  GLA_HD int dfac(int i) const { return slot0 + i * slot_step + s_dfac; }
+};
+// Per prep warp: RS row sums of q.k, then RS/2 pair sums (RS = 16 / halves rows per item).
+GLA_HD constexpr int ws_dpart_stride(int halves) { return (16 / halves) * 3 / 2; }
+// The far blocks' factor table (and the A-phase split that gives the far blocks warps of their
+// own) only where it measured faster: DK = 128 with one prep thread per item (H200, B8 T4096 H16
+// D128 0.388 -> 0.380 ms; with split items at D64 0.365 -> 0.377 ms, so not there).
+GLA_HD constexpr bool ws_far_factor_table(int dk, int halves) { return dk == 128 && halves == 1; }
+// halves = 2: split items (two prep threads per element-wise item, 8 rows each).
+GLA_HD inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
+  WsSmem s{};
+  s.pq = dk + 8;
+  s.pv = dk + 8;
+  s.pa = kChunk + 8;
+  // The raw stage is only read row-wise (a warp reads 32 column pairs of one row, conflict-free at
+  // any pitch), never by ldmatrix: no padding.
+  s.pr = dk;
+  const int tile = kChunk * s.pq * 2;
+  const int raw = kChunk * s.pr * 2;
+  int off = 0;
+  s.q = off; off += raw;
+  s.k = off; off += raw;
+  s.g = off; off += per_head ? kChunk * 4 : raw;
+  s.lvl0 = off; s.lvl_step = tile; off += 3 * tile;
+  s.v0 = off; s.v_step = kChunk * s.pv * 2; off += 2 * s.v_step;
+  s.s_qw = 0;
+  s.s_kw = tile;
+  s.s_a = 2 * tile;
+  s.s_dfac = s.s_a + kChunk * s.pa * 2;
+  s.slot0 = off; s.slot_step = s.s_dfac + dk * 4; off += 2 * s.slot_step;
+  s.tot = off; off += 4 * dk * 4;
+  s.htot = off; off += halves > 1 ? 4 * halves * dk * 4 : 0;
+  s.dpart = off; off += (2 * dk * halves / 32) * ws_dpart_stride(halves) * 4;
+  off = (off + 15) & ~15;
+  s.ofac = -1;
+  if (ws_far_factor_table(dk, halves)) {
+    s.ofac = off;
+    off += 3 * dk * 4;
+  }
+  off = (off + 7) & ~7;
+  s.mbar = off; off += 4 * 8;
+  s.total = off;
+  return s;
+}
+
+// The recurrent forward kernel (forward.cu): tokens staged per block step, and its dynamic shared
+// memory (q, k, g rows of the staged tokens, their values of a 32-wide value tile, the reductions).
+constexpr int kRecurrentTokens = 8;
+constexpr int kRecurrentThreads = 256;
+GLA_HD inline size_t recurrent_smem_bytes(int64_t K) {
+  return (size_t(kRecurrentTokens) * K * 3 + kRecurrentTokens * 32 + kRecurrentTokens * 8 * 32) * sizeof(float);
 }
 
 }  // namespace gla::cuda::detail

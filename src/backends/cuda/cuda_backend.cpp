@@ -23,6 +23,7 @@ namespace {
 
 struct DeviceInfo {
   int major = 0, minor = 0, sm_count = 0;
+  int shared_per_block = -1;  // opt-in maximum of dynamic shared memory per block (bytes); -1 unknown
   bool ok = false;
 };
 
@@ -43,6 +44,10 @@ const DeviceInfo& device_info(int index) {
       d.ok = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, i) == cudaSuccess &&
              cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, i) == cudaSuccess &&
              cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, i) == cudaSuccess;
+      if (cudaDeviceGetAttribute(&d.shared_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, i) != cudaSuccess) {
+        cudaGetLastError();
+        d.shared_per_block = -1;  // unknown: nothing is declined for it
+      }
     }
   }
   static const DeviceInfo none;
@@ -196,7 +201,13 @@ cuda::BackwardParams make_backward_params(const gla_problem& p) {
   if (b.dg) copy_strides(p.dg, b.dg_stride, 3);
   set_sequences_and_sizes(b, p);
   int64_t chunks = 0;
-  for (int64_t n = 0; n < p.N; ++n) chunks += (p.seq_offsets[n + 1] - p.seq_offsets[n] + 63) / 64;
+  if (p.seq_offsets != nullptr) {
+    for (int64_t n = 0; n < p.N; ++n) chunks += (p.seq_offsets[n + 1] - p.seq_offsets[n] + 63) / 64;
+  } else {
+    // Offsets not copied from the device yet (check_more runs before that): at most one chunk
+    // more per sequence than the tokens make; only its being nonzero is used then.
+    chunks = p.B * ((p.T + 63) / 64) + (p.varlen ? p.N : 0);
+  }
   b.num_chunks = chunks;
   b.scale = static_cast<float>(p.scale);
   b.dtype = element_type(p.dtype);
@@ -331,10 +342,14 @@ class CudaBackend final : public Backend {
     return d.ok ? 10 * d.major + d.minor : -1;
   }
 
-  // What the declaration cannot say: the device's visibility, where cu_seqlens lives, grid limits.
+  // What the declaration cannot say: the device's visibility, where cu_seqlens lives, grid limits,
+  // and whether the device gives the planned kernels their shared memory (sm_90: 227 KB per block;
+  // an A100 163 KB, below the K = 128 forward kernels' 200-230 KB; sm_86/sm_89 99 KB, below every
+  // chunk kernel's).
   std::vector<std::string> check_more(const gla_problem& p) const override {
     std::vector<std::string> why;
-    if (!device_info(p.device_index).ok) why.push_back("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
+    const DeviceInfo& device = device_info(p.device_index);
+    if (!device.ok) why.push_back("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
     if (recurrent(p)) {
       for (auto& w : cuda::recurrent_checks(p)) why.push_back(std::move(w));
       return why;
@@ -345,11 +360,18 @@ class CudaBackend final : public Backend {
       // dv runs the forward's kernels (the forward's grid limits apply).
       if (present(p.dv) && p.H * ((p.V + 31) / 32) > 65535) why.push_back("H * ceil(V/32) > 65535 (grid limit)");
       if (p.N > (int64_t(1) << 24)) why.push_back("more than 2^24 sequences");
-      return why;
+    } else {
+      const int64_t value_tiles = (p.V + 31) / 32;
+      if (p.H * value_tiles > 65535) why.push_back("H * ceil(V/32) > 65535 (grid limit)");
+      if (p.N > (int64_t(1) << 24)) why.push_back("more than 2^24 sequences");
     }
-    const int64_t value_tiles = (p.V + 31) / 32;
-    if (p.H * value_tiles > 65535) why.push_back("H * ceil(V/32) > 65535 (grid limit)");
-    if (p.N > (int64_t(1) << 24)) why.push_back("more than 2^24 sequences");
+    if (device.ok && why.empty()) {
+      const size_t need = p.backward ? cuda::backward_shared_bytes(make_backward_params(p))
+                                     : cuda::forward_shared_bytes(make_params(p));
+      if (auto reason = cuda::shared_memory_shortfall(need, device.shared_per_block, p.backward != 0)) {
+        why.push_back(*reason + " on CUDA device " + std::to_string(p.device_index));
+      }
+    }
     return why;
   }
 

@@ -7,8 +7,8 @@
 namespace gla::cuda {
 namespace detail {
 
-constexpr int kRecTokens = 8;  // tokens staged per block step
-constexpr int kRecThreads = 256;
+constexpr int kRecTokens = kRecurrentTokens;  // tokens staged per block step (chunk_layout.hpp)
+constexpr int kRecThreads = kRecurrentThreads;
 
 // One CTA per (sequence, value tile of 32, head). Thread (group, j) owns value column j and key
 // rows group + 8 r. IEEE fp32 arithmetic throughout.
@@ -90,7 +90,7 @@ recurrent_forward_kernel(const __grid_constant__ ForwardParams p, int value_tile
 template <int KR>
 cudaError_t run_recurrent(const ForwardParams& p, cudaStream_t stream) {
   const int value_tiles = static_cast<int>((p.V + 31) / 32);
-  const size_t smem = (size_t(kRecTokens) * p.K * 3 + kRecTokens * 32 + kRecTokens * 8 * 32) * sizeof(float);
+  const size_t smem = recurrent_smem_bytes(p.K);
   auto kernel = recurrent_forward_kernel<KR>;
   if (smem > 48 * 1024) {
     const cudaError_t err = allow_dynamic_shared_memory<recurrent_forward_kernel<KR>>(smem);

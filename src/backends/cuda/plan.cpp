@@ -79,22 +79,23 @@ void order_blocks(ForwardPlan& plan, const int64_t* seq_offsets, int64_t N) {
   plan.block_order_count = static_cast<int32_t>(items.size());
 }
 
-ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int sm_count) {
-  // 128 < K <= 256 on tensor cores: two K = 128 halves (ForwardPlan::key_split).
-  if ((p.dtype == kBF16 || p.dtype == kF16) && p.K > 128 && p.K <= 256 && p.V >= 1) {
-    ForwardParams half = p;
-    half.K = 128;
-    ForwardPlan plan = plan_forward(half, seq_offsets, sm_count);
-    plan.key_split = plan.kernel == ForwardKernel::kChunkWs ? 2 : 1;
-    if (plan.key_split == 1) {
-      plan.partial_offset = (plan.workspace_bytes + 255) / 256 * 256;
-      plan.workspace_bytes = plan.partial_offset + size_t(p.B) * p.T * p.H * p.V * 2;
-    }
-    return plan;
-  }
+std::optional<std::string> shared_memory_shortfall(size_t need, int available, bool backward) {
+  if (available < 0 || need <= static_cast<size_t>(available)) return std::nullopt;
+  return std::string(backward ? "the chunk backward's kernels need " : "the chunk forward's kernel needs ") +
+         std::to_string(need) + " bytes of shared memory per block, the device allows " + std::to_string(available);
+}
+
+namespace {
+
+// What a plan has that does not depend on the sequence lengths: the kernel, the padded K, the value
+// tiling and the kernel's shared memory (of one K = 128 half for 128 < K <= 256).
+ForwardPlan kernel_plan(const ForwardParams& p) {
   ForwardPlan plan;
   const bool tensor_core = (p.dtype == kBF16 || p.dtype == kF16) && p.K <= 128 && p.K >= 1 && p.V >= 1;
-  if (!tensor_core) return plan;  // the recurrent kernel
+  if (!tensor_core) {  // the recurrent kernel
+    plan.shared_bytes = detail::recurrent_smem_bytes(p.K);
+    return plan;
+  }
   plan.head_dim_k = p.K <= 64 ? 64 : 128;
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
   // Kernel choice: the warp-specialised kernel needs cp.async rows and a 16-bit per-key gate or a
@@ -108,6 +109,41 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
                                         : ForwardKernel::kChunkWs;
   plan.value_tile = plan.head_dim_k;
   plan.value_tiles = static_cast<int32_t>((p.V + plan.value_tile - 1) / plan.value_tile);
+  plan.shared_bytes =
+      plan.kernel == ForwardKernel::kChunk
+          ? size_t(detail::chunk_smem_layout(plan.head_dim_k, plan.value_tile, gate_bytes, p.gate_per_head != 0).total)
+          : size_t(detail::ws_smem_layout(plan.head_dim_k, p.gate_per_head != 0,
+                                          plan.kernel == ForwardKernel::kChunkWsSplit ? 2 : 1)
+                       .total);
+  return plan;
+}
+
+bool key_halves(const ForwardParams& p) { return (p.dtype == kBF16 || p.dtype == kF16) && p.K > 128 && p.K <= 256 && p.V >= 1; }
+
+}  // namespace
+
+size_t forward_shared_bytes(const ForwardParams& p) {
+  ForwardParams half = p;
+  if (key_halves(p)) half.K = 128;
+  return kernel_plan(half).shared_bytes;
+}
+
+ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int sm_count) {
+  // 128 < K <= 256 on tensor cores: two K = 128 halves (ForwardPlan::key_split).
+  if (key_halves(p)) {
+    ForwardParams half = p;
+    half.K = 128;
+    ForwardPlan plan = plan_forward(half, seq_offsets, sm_count);
+    plan.key_split = plan.kernel == ForwardKernel::kChunkWs ? 2 : 1;
+    if (plan.key_split == 1) {
+      plan.partial_offset = (plan.workspace_bytes + 255) / 256 * 256;
+      plan.workspace_bytes = plan.partial_offset + size_t(p.B) * p.T * p.H * p.V * 2;
+    }
+    return plan;
+  }
+  ForwardPlan plan = kernel_plan(p);
+  if (plan.kernel == ForwardKernel::kRecurrent) return plan;
+  const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
   const detail::ChunkSmem L =
       detail::chunk_smem_layout(plan.head_dim_k, plan.value_tile, gate_bytes, p.gate_per_head != 0);
   const int per_sm = plan.kernel == ForwardKernel::kChunk && L.total * 2 + 2048 <= 228 * 1024 ? 2 : 1;

@@ -1,6 +1,7 @@
 // The chunk backward's workspace plan (chunk_backward.hpp): plain C++, so the tests check it without
 // a GPU (tests/cpp/test_cuda_backward_plan.cpp); and the reversed forward's problem, which the plan
 // and the launcher (chunk_backward.cu) both build.
+#include <algorithm>
 #include <vector>
 
 #include "backends/cuda/chunk_backward.hpp"
@@ -140,7 +141,19 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
     }
   }
   plan.workspace_bytes = at;
+  plan.shared_bytes = backward_shared_bytes(p);
   return plan;
+}
+
+size_t backward_shared_bytes(const BackwardParams& p) {
+  size_t bytes = p.N > 0 ? backward::kScanSharedBytes : 0;  // the walks
+  if (p.num_chunks > 0 && (p.dq != nullptr || p.dk != nullptr || p.dg != nullptr)) {
+    bytes = std::max(bytes, backward::kDqkSharedBytes);
+  }
+  if (p.dv != nullptr && p.num_chunks > 0) {  // the reversed forward's kernel
+    bytes = std::max(bytes, forward_shared_bytes(backward::reversed_forward(p, BackwardPlan{}, nullptr)));
+  }
+  return bytes;
 }
 
 }  // namespace gla::cuda
