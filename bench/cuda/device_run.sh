@@ -11,7 +11,9 @@
 # $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/
 # and carry .devtmp to skip fla's ~80 s autotune per shape next time).
 # Typical calls: `check bench` after a kernel change (carry build-cuda/harness); `check gtest
-# pytest fla` before calling GPU work done (carry the library, tests, .whl, .devtmp).
+# pytest fla` before calling GPU work done (carry the library, tests, .whl, .devtmp). For the
+# backward: `gtestall sanbwd pytest ab training` (carry build-cuda/libgla.so, libgla_torch.so,
+# tests/cpp/gla_tests, .whl and AB_BASE's folder).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 LOG="$OUT/logs"
@@ -69,6 +71,26 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site TRITON_CACHE_DIR=/tmp/triton_cache
       mkdir -p $TRITON_CACHE_DIR; ls .devtmp/triton_cache.tgz.part* >/dev/null 2>&1 && cat .devtmp/triton_cache.tgz.part* | tar -xzf - -C $TRITON_CACHE_DIR
       PYTHONUNBUFFERED=1 timeout ${FLA_TIMEOUT:-300} python3 bench/cuda/bench_vs_fla.py --lib build-cuda/libgla.so --cases ${WIDE_CASES:-8x4096x16x256} 2>&1 | tee "$LOG/fla_wide.log" | grep -v Warning ;;
+    gtestall) LD_LIBRARY_PATH=build-cuda timeout 200 ./build-cuda/tests/cpp/gla_tests --gtest_filter='*Cuda*' 2>&1 | tee "$LOG/gtest_all.log" | grep -E "^\[  (FAILED|PASSED) " ;;
+    sanbwd) # compute-sanitizer on the backward's kernels: one process per (tool, test)
+      for spec in memcheck:HardResetGates racecheck:HardResetGates memcheck:VarlenEmptyAndSingleTokenSequences racecheck:GateVariantsAndLayouts; do
+        tool=${spec%%:*}; t=${spec#*:}
+        LD_LIBRARY_PATH=build-cuda timeout 100 compute-sanitizer --tool $tool ./build-cuda/tests/cpp/gla_tests --gtest_filter=CudaBackward.$t > "$LOG/san_${tool}_$t.log" 2>&1
+        echo "$tool $t rc $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/san_${tool}_$t.log")"
+      done ;;
+    ab) # gla.chunk_gla fwd and fwd+bwd, libgla alone: build-cuda against AB_BASE (a folder with a
+      # libgla.so and libgla_torch.so of the base commit), two interleaved rounds
+      for r in 1 2; do for d in "$PWD/build-cuda" "${AB_BASE:?set AB_BASE}"; do echo "== $d"
+        PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 python3 bench/cuda/bench_training.py --no-fla
+      done; done 2>&1 | tee "$LOG/ab.log" | grep -E "==|fwd\+bwd" ;;
+    training) # the same-run table against fla (TRAINING_CASES: labels, default all), fla's autotune
+      # choices seeded from bench/cuda/fla_autotune and the new ones collected in logs/fla_autotune
+      # (commit them: triton_autotune_cache.py)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+      PYTHONPATH=/tmp/site:python GLA_LIBRARY=build-cuda/libgla.so LD_LIBRARY_PATH=build-cuda TRITON_CACHE_DIR=/tmp/tc \
+        timeout ${TRAINING_TIMEOUT:-500} python3 bench/cuda/bench_training.py --fla-tune-ms 5,20 --cases "${TRAINING_CASES:-}" \
+        --autotune-dir bench/cuda/fla_autotune --autotune-out "$LOG/fla_autotune" --json "$LOG/training.json" 2>&1 \
+        | tee "$LOG/training.log" | grep -v Warn ;;
     *) echo "unknown step $step" ;;
   esac
 done
