@@ -16,7 +16,6 @@ using detail::kLog2e;
 
 // kChunk, kTile, kScanValues, kStateBytes: chunk_backward.hpp (the planner uses them too).
 constexpr int kLd16 = 72;   // row pitch of 16-bit tiles in shared memory (elements): 144 B rows
-constexpr int kLd32 = 68;   // row pitch of fp32 tiles (elements): 272 B rows
 // log2-unit floor of a gate: 2^-160 is 0 in fp32, so a hard reset (g = -inf, SPEC §3.8) stays a
 // reset, and chunk-local sums stay finite (no -inf - -inf).
 constexpr float kGateFloor = -160.0f;
@@ -134,21 +133,16 @@ __device__ __forceinline__ void load_gate_tile(GateTile<NT>& regs, const Backwar
         if (c < cols_valid) {  // K % 8 == 0 on this path: the whole group is inside
           const uint4 w = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.g) + at);
           const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-          if (p.gate_dtype == kBF16) {
+          auto unpack = [&](auto element) {  // element: detail::Elem<bf16 or fp16>
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-              const float2 f = detail::Elem<__nv_bfloat16>::to_float2(words[j]);
+              const float2 f = decltype(element)::to_float2(words[j]);
               x[2 * j] = f.x;
               x[2 * j + 1] = f.y;
             }
-          } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 f = detail::Elem<__half>::to_float2(words[j]);
-              x[2 * j] = f.x;
-              x[2 * j + 1] = f.y;
-            }
-          }
+          };
+          if (p.gate_dtype == kBF16) unpack(detail::Elem<__nv_bfloat16>{});
+          else unpack(detail::Elem<__half>{});
         }
       } else {
 #pragma unroll
