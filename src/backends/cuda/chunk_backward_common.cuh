@@ -100,74 +100,114 @@ __device__ __forceinline__ void store_tile(E* dst, const Tile16<NT>& regs, int t
   }
 }
 
-// The gate of a tile's 64 rows and 64 key columns (c0..) as fp32 in log2 units, floored at
-// kGateFloor; rows past the chunk and columns past K read 0. A per-head gate repeats the head's value
-// over the columns.
+// The gate of a tile's 64 rows and 64 key columns (c0..), as loaded: raw words, converted by
+// gate_group only when gate_cumsum needs them, so a prefetch's loads stay in flight while the current
+// chunk is computed (converting at the load made every prefetch wait for its gate). Rows past the
+// chunk and columns past K hold 0 (0.0 in every format). Per group of 8 columns:
+//   16-bit per-key gate: 8 values in lo; fp32 per-key gate: 8 values in lo, hi; per-head gate: the
+//   head's one value in lo.x (repeated over the columns by gate_group).
 template <int NT>
 struct GateTile {
   static constexpr int kGroups = kChunk * kTile / 8 / NT;
-  float r[kGroups][8];
+  uint4 lo[kGroups], hi[kGroups];
 };
 
 template <int NT>
 __device__ __forceinline__ void load_gate_tile(GateTile<NT>& regs, const BackwardParams& p, int64_t batch, int64_t t0,
                                                int64_t h, int64_t rows_valid, int64_t c0, bool vector, int tid) {
   static_assert(NT % 8 == 0, "a thread's groups share their columns");
-  const int64_t cols_valid = p.gate_per_head ? kTile : p.K - c0;
+  const int64_t cols_valid = p.K - c0;
   const int r0 = tid >> 3, c = (tid & 7) * 8;
   int64_t at = batch * p.g_stride[0] + (t0 + r0) * p.g_stride[1] + h * p.g_stride[2] + (p.gate_per_head ? 0 : c0 + c);
   const int64_t step = int64_t(NT / 8) * p.g_stride[1];
+  const bool wide = p.gate_dtype == kF32;
+  const uint16_t* g16 = static_cast<const uint16_t*>(p.g);
+  const uint32_t* g32 = static_cast<const uint32_t*>(p.g);
 #pragma unroll
   for (int i = 0; i < GateTile<NT>::kGroups; ++i, at += step) {
     const int r = r0 + (NT / 8) * i;
-    // Entries past the chunk or past K stay 0 (and fmaxf(0, floor) is 0 below).
-    float x[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) x[j] = 0.0f;
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
     if (r < rows_valid) {
       if (p.gate_per_head) {
-        const float y = detail::load_any(p.g, at, p.gate_dtype);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) x[j] = y;
-      } else if (vector && p.gate_dtype != kF32) {
+        lo.x = wide ? g32[at] : uint32_t(g16[at]);
+      } else if (vector) {
         if (c < cols_valid) {  // K % 8 == 0 on this path: the whole group is inside
-          const uint4 w = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.g) + at);
-          const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-          auto unpack = [&](auto element) {  // element: detail::Elem<bf16 or fp16>
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 f = decltype(element)::to_float2(words[j]);
-              x[2 * j] = f.x;
-              x[2 * j + 1] = f.y;
-            }
-          };
-          if (p.gate_dtype == kBF16) unpack(detail::Elem<__nv_bfloat16>{});
-          else unpack(detail::Elem<__half>{});
+          if (wide) {
+            lo = *reinterpret_cast<const uint4*>(g32 + at);
+            hi = *reinterpret_cast<const uint4*>(g32 + at + 4);
+          } else {
+            lo = *reinterpret_cast<const uint4*>(g16 + at);
+          }
         }
-      } else {
+      } else if (wide) {
+        uint32_t w[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) x[j] = c + j < cols_valid ? detail::load_any(p.g, at + j, p.gate_dtype) : 0.0f;
+        for (int j = 0; j < 8; ++j) w[j] = c + j < cols_valid ? g32[at + j] : 0u;
+        lo = make_uint4(w[0], w[1], w[2], w[3]);
+        hi = make_uint4(w[4], w[5], w[6], w[7]);
+      } else {
+        uint32_t w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = c + j < cols_valid ? uint32_t(g16[at + j]) : 0u;
+        lo = make_uint4(w[0] | (w[1] << 16), w[2] | (w[3] << 16), w[4] | (w[5] << 16), w[6] | (w[7] << 16));
       }
     }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) regs.r[i][j] = fmaxf(x[j] * kLog2e, kGateFloor);
+    regs.lo[i] = lo;
+    regs.hi[i] = hi;
   }
 }
 
-// b[t][c] = chunk-local inclusive cumsum of the loaded gate (row pitch PITCH, fp32). Rows past the
+// Group i of a loaded gate tile as fp32 in log2 units, floored at kGateFloor.
+template <int NT>
+__device__ __forceinline__ void gate_group(float (&x)[8], const GateTile<NT>& regs, int i, const BackwardParams& p) {
+  const uint32_t lo[4] = {regs.lo[i].x, regs.lo[i].y, regs.lo[i].z, regs.lo[i].w};
+  const uint32_t hi[4] = {regs.hi[i].x, regs.hi[i].y, regs.hi[i].z, regs.hi[i].w};
+  if (p.gate_per_head) {
+    const uint32_t w = lo[0];
+    const float y = p.gate_dtype == kF32   ? __uint_as_float(w)
+                    : p.gate_dtype == kF16 ? detail::Elem<__half>::to_float(uint16_t(w))
+                                           : detail::Elem<__nv_bfloat16>::to_float(uint16_t(w));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = y;
+  } else if (p.gate_dtype == kF32) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[j] = __uint_as_float(lo[j]);
+      x[4 + j] = __uint_as_float(hi[j]);
+    }
+  } else {
+    auto unpack = [&](auto element) {  // element: detail::Elem<bf16 or fp16>
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = decltype(element)::to_float2(lo[j]);
+        x[2 * j] = f.x;
+        x[2 * j + 1] = f.y;
+      }
+    };
+    if (p.gate_dtype == kBF16) unpack(detail::Elem<__nv_bfloat16>{});
+    else unpack(detail::Elem<__half>{});
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) x[j] = fmaxf(x[j] * kLog2e, kGateFloor);  // fmaxf(0, floor) is 0
+}
+
+// b[t][c] = chunk-local inclusive cumsum of the loaded gate (converted here by gate_group) (row pitch PITCH, fp32). Rows past the
 // chunk read g = 0, so they hold b_last. Thread (column tid % 64, row group tid / 64) sums its
 // 64 / (NT / 64) rows, then adds the earlier groups' sums (`group_sums`, [NT / 64][64] floats) in
 // group order: a dependent chain of 64 / (NT / 64) + NT / 64 adds instead of 64 (a fixed order, so
 // reruns are bitwise).
 template <int NT, int PITCH = kTile>
-__device__ __forceinline__ void gate_cumsum(float* b, const GateTile<NT>& regs, float* group_sums, int tid) {
+__device__ __forceinline__ void gate_cumsum(float* b, const GateTile<NT>& regs, const BackwardParams& p,
+                                            float* group_sums, int tid) {
   static_assert(NT % kTile == 0 && NT <= kChunk * kTile / 8, "whole row groups, at least one row each");
   constexpr int kGroupsOfRows = NT / kTile, kRows = kChunk / kGroupsOfRows;
 #pragma unroll
   for (int i = 0; i < GateTile<NT>::kGroups; ++i) {
     const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8;
-    *reinterpret_cast<float4*>(b + r * PITCH + c) = make_float4(regs.r[i][0], regs.r[i][1], regs.r[i][2], regs.r[i][3]);
-    *reinterpret_cast<float4*>(b + r * PITCH + c + 4) = make_float4(regs.r[i][4], regs.r[i][5], regs.r[i][6], regs.r[i][7]);
+    float x[8];
+    gate_group(x, regs, i, p);
+    *reinterpret_cast<float4*>(b + r * PITCH + c) = make_float4(x[0], x[1], x[2], x[3]);
+    *reinterpret_cast<float4*>(b + r * PITCH + c + 4) = make_float4(x[4], x[5], x[6], x[7]);
   }
   __syncthreads();
   const int c = tid % kTile, group = tid / kTile, r0 = group * kRows;

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     detail::cp_async_commit();
     if (plan.value_tiles > 0) stage_values(0, 0);
     if (plan.value_tiles > 1) stage_values(1, 1);
-    gate_cumsum<kGradThreads, kLdGate>(sh.b, gate, &sh.column_part[0][0], tid);
+    gate_cumsum<kGradThreads, kLdGate>(sh.b, gate, p, &sh.column_part[0][0], tid);
   }
 
   // ---- over the value tiles: Pq = do S_cᵀ (into dq), Pk = v dS_{c+1}ᵀ (into dk), dA = do vᵀ,

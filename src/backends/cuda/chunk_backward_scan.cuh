@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kScanThreads, 2) state_scan_kernel(BackwardPar
         sh.stage[key * kScanLd + value] = detail::Elem<__nv_bfloat16>::from_float(S[j][e]);
       });
     }
-    gate_cumsum(sh.b, gate, &sh.column_part[0][0], tid);  // synchronises: keys, values and the stage are visible after it
+    gate_cumsum(sh.b, gate, p, &sh.column_part[0][0], tid);  // synchronises: keys, values and the stage are visible after it
     if (step + 1 < step1) prefetch(step + 1);
     StateElement* dst = out + ((first_chunk + c) * p.H + h) * p.K * p.V + k0 * p.V + v0;
 #pragma unroll
