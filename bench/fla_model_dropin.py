@@ -62,6 +62,9 @@ def parse_args():
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="T512, 10 steps, short generations")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fla-tune-ms", metavar="WARMUP,REP",
+                   help="time Triton's autotune candidates for WARMUP,REP ms instead of 25,100 (fla's first calls "
+                        "otherwise take minutes per shape on the GPU machine)")
     p.add_argument("--plot-only", metavar="JSON", help="only redraw the PNG from a saved JSON (no GPU, no fla)")
     args = p.parse_args()
     if args.quick:
@@ -100,6 +103,12 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 import torch  # noqa: E402
 
 import gla  # noqa: E402
+
+if ARGS.fla_tune_ms:
+    sys.path.insert(0, os.path.join(ROOT, "bench", "cuda"))
+    import triton_autotune_cache  # noqa: E402
+
+    triton_autotune_cache.shorten_autotune(ARGS.fla_tune_ms)
 
 try:
     import fla.layers.gla as fla_gla_layer  # noqa: E402

@@ -132,16 +132,6 @@ def rel_rms(a, b):
     return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
 
 
-def shorten_autotune(tune_ms):
-    """Triton's autotune times each candidate configuration with triton.testing.do_bench (handed to
-    the autotuner by Triton's NVIDIA driver when it first tunes): WARMUP,REP ms instead of 25,100."""
-    import functools
-
-    import triton.testing
-    warmup, rep = (float(x) for x in tune_ms.split(","))
-    triton.testing.do_bench = functools.partial(triton.testing.do_bench, warmup=warmup, rep=rep)
-
-
 def compile_fla(cases, tune_ms):
     """--fla-compile-only: one child per case runs fla's forward and backward once (autotune timing
     shortened to tune_ms when given); returns when all have finished (0 if every child succeeded)."""
@@ -160,7 +150,8 @@ def compile_fla(cases, tune_ms):
 
 def compile_child(label, tune_ms):
     if tune_ms:
-        shorten_autotune(tune_ms)
+        import triton_autotune_cache
+        triton_autotune_cache.shorten_autotune(tune_ms)
     from fla.ops.gla import chunk_gla as fla_chunk_gla
     (_, B, T, H, K, V, cu), = [c for c in CASES if c[0] == label]
     for backward in (False, True):
@@ -196,7 +187,8 @@ def main():
     if args.fla_compile_only:
         return compile_fla(cases, args.fla_tune_ms)
     if args.fla_tune_ms and not args.no_fla:
-        shorten_autotune(args.fla_tune_ms)
+        import triton_autotune_cache
+        triton_autotune_cache.shorten_autotune(args.fla_tune_ms)
     if not args.no_fla:
         try:
             from fla.ops.gla import chunk_gla as fla_chunk_gla

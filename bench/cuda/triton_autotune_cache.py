@@ -55,3 +55,13 @@ def seed(folder: str) -> int:
 def harvest(folder: str) -> int:
     """Copies the cache's autotune files that folder lacks into folder. Returns how many."""
     return _copy_new(cache_dir(), folder)
+
+
+def shorten_autotune(tune_ms: str) -> None:
+    """Triton's autotune times each candidate configuration with triton.testing.do_bench (handed to
+    the autotuner by Triton's NVIDIA driver when it first tunes): WARMUP,REP ms instead of 25,100."""
+    import functools
+
+    import triton.testing
+    warmup, rep = (float(x) for x in tune_ms.split(","))
+    triton.testing.do_bench = functools.partial(triton.testing.do_bench, warmup=warmup, rep=rep)

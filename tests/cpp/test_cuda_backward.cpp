@@ -1,7 +1,8 @@
 // The cuda backend's chunk backward against the reference backend, through the public C API with
 // tensors in CUDA memory: the SPEC.md §5 grid for dq, dk, dv, dg and dh0, varlen with empty and
 // length-1 sequences, K != V, strong decay, randn inputs, hard resets (g = -inf), both state layouts,
-// fp32 and per-head gates, absent do / dht / outputs, long sequences, bitwise reruns. Every output
+// both sources of the state gradients (the reverse walk; the reversed forward when lengths are
+// multiples of 64), fp32 and per-head gates, absent do / dht / outputs, long sequences, bitwise reruns. Every output
 // is NaN-poisoned before the call, so an unwritten element fails the comparison. Skips with a
 // message where no CUDA device is present.
 #include <gtest/gtest.h>
@@ -235,6 +236,72 @@ TEST(CudaBackward, BitwiseReruns) {
   EXPECT_EQ(a.out.dv.bytes, b.out.dv.bytes);
   EXPECT_EQ(a.out.dg.bytes, b.out.dg.bytes);
   EXPECT_EQ(a.out.dh0.bytes, b.out.dh0.bytes);
+}
+
+// Every sequence length a multiple of 64: the state gradients come from the reversed forward's
+// chunk states (BackwardPlan::state_grads_by_values), not the reverse walk. The same grid of
+// features over that path: gate kinds, layouts, K != V and the key split, varlen with empty
+// sequences, hard resets, the segment splits of a long sequence, absent dht, fp16, bitwise reruns.
+TEST(CudaBackward, StateGradientsFromTheReversedForward) {
+  SKIP_WITHOUT_CUDA();
+  for (int32_t dt : {GLA_DTYPE_BF16, GLA_DTYPE_F16}) {
+    check_case(base_case(dt, 2, 512, 2, 128));
+    Case c = base_case(dt, 2, 256, 2, 64);
+    c.per_head_gate = true;
+    check_case(c);
+  }
+  Case f = base_case(GLA_DTYPE_BF16, 2, 192, 2, 128);
+  f.gate_f32 = true;
+  check_case(f);
+  f.per_head_gate = true;
+  check_case(f);
+  Case v = base_case(GLA_DTYPE_BF16, 2, 256, 2, 128);
+  v.state_v_first = true;
+  check_case(v);
+  for (auto kv : {std::pair<int64_t, int64_t>{256, 512}, {64, 128}, {128, 256}, {100, 36}, {1, 1}}) {
+    Case c = base_case(GLA_DTYPE_BF16, 1, 256, 2, 64);
+    c.K = kv.first;
+    c.V = kv.second;
+    check_case(c);
+  }
+  for (const std::vector<int64_t>& cu : {std::vector<int64_t>{0, 0, 128, 128, 192, 704}, {0, 64}, {0, 640, 640}}) {
+    for (int64_t D : {64, 100}) {
+      Case c = base_case(GLA_DTYPE_BF16, 1, cu.back(), 2, D);
+      c.cu_seqlens = cu;
+      check_case(c);
+    }
+  }
+  Case strong = base_case(GLA_DTYPE_BF16, 1, 512, 2, 64);
+  strong.gate_floor = -30.0;
+  strong.randn_inputs = true;
+  check_case(strong);
+  Absent no_dht;
+  no_dht.dht = true;
+  check_case(base_case(GLA_DTYPE_BF16, 2, 256, 2, 64), no_dht);
+  Absent no_dh0;
+  no_dh0.dh0 = true;
+  check_case(base_case(GLA_DTYPE_BF16, 2, 256, 2, 64), no_dh0);
+  check_case(base_case(GLA_DTYPE_BF16, 1, 65536, 1, 64));  // both segment splits
+  {
+    Case c = base_case(GLA_DTYPE_BF16, 1, 256, 2, 64);
+    Inputs in = make_inputs(c);
+    const double inf = std::numeric_limits<double>::infinity();
+    for (int64_t i = 0; i < in.g.size(); i += 97) in.g.set(i, -inf);
+    const Outputs ref = reference_backward(in, {});
+    CudaBackwardRun got = run_cuda_backward(in);
+    ASSERT_EQ(got.status, GLA_STATUS_OK) << got.error;
+    std::string report;
+    EXPECT_LT(max_error(got.out, ref, true, report), 5e-3) << report;
+  }
+  Case b = base_case(GLA_DTYPE_BF16, 2, 3072, 2, 128);
+  const Inputs in = make_inputs(b);
+  CudaBackwardRun x = run_cuda_backward(in), y = run_cuda_backward(in);
+  ASSERT_EQ(x.status, GLA_STATUS_OK) << x.error;
+  EXPECT_EQ(x.out.dq.bytes, y.out.dq.bytes);
+  EXPECT_EQ(x.out.dk.bytes, y.out.dk.bytes);
+  EXPECT_EQ(x.out.dv.bytes, y.out.dv.bytes);
+  EXPECT_EQ(x.out.dg.bytes, y.out.dg.bytes);
+  EXPECT_EQ(x.out.dh0.bytes, y.out.dh0.bytes);
 }
 
 TEST(CudaBackward, DeclinesFloat32WithReason) {

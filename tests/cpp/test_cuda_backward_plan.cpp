@@ -26,7 +26,7 @@ const void* fake(uintptr_t a) { return reinterpret_cast<const void*>(a); }
 
 struct Shape {
   int64_t B = 2, T = 256, H = 2, K = 128, V = 128;
-  bool dv = true, dout = true, dht = false, per_head = false;
+  bool dv = true, dout = true, dht = false, per_head = false, dh0 = false, dq = true;
   float scale = 0.125f;
 };
 
@@ -47,7 +47,8 @@ BackwardParams params(const Shape& s, const std::vector<int64_t>& offsets) {
   p.do_ = s.dout ? fake(0x50000000) : nullptr;
   p.dht = s.dht ? static_cast<const float*>(fake(0x60000000)) : nullptr;
   p.dv = s.dv ? const_cast<void*>(fake(0x70000000)) : nullptr;
-  p.dq = const_cast<void*>(fake(0x80000000));
+  p.dq = s.dq ? const_cast<void*>(fake(0x80000000)) : nullptr;
+  p.dh0 = s.dh0 ? static_cast<float*>(const_cast<void*>(fake(0x90000000))) : nullptr;
   for (int64_t* st : {p.q_stride, p.k_stride, p.dq_stride, p.dk_stride}) {
     st[0] = s.T * s.H * s.K, st[1] = s.H * s.K, st[2] = s.K;
   }
@@ -107,6 +108,7 @@ std::vector<std::pair<size_t, size_t>> regions(const Planned& r) {
     if (p.dht != nullptr) out.push_back({plan.reversed_dht, static_cast<size_t>(p.N) * p.H * p.K * p.V * 4});
     if (!cuda::backward::values_from_do(p)) out.push_back({plan.zero_values, static_cast<size_t>(p.B) * p.T * p.H * p.V * 2});
     if (plan.values.workspace_bytes > 0) out.push_back({plan.values_workspace, plan.values.workspace_bytes});
+    if (plan.reversed_final) out.push_back({plan.reversed_final, static_cast<size_t>(p.N) * p.H * p.K * p.V * 4});
   }
   return out;
 }
@@ -244,6 +246,76 @@ TEST(CudaBackwardPlan, ReversedForwardSwapsAndReversesTheInputs) {
   const cuda::ForwardParams z = cuda::backward::reversed_forward(no_do.p, no_do.plan, ws);
   EXPECT_EQ(z.v, ws + no_do.plan.zero_values + last * no_do.p.H * no_do.p.V * 2);
   EXPECT_EQ(z.scale, 1.0f);
+}
+
+// The state gradients come from the reversed forward exactly when the chunks of both directions line
+// up (every sequence length a multiple of 64), do drives it (present, scale not tiny), a gradient
+// needs them, and the reversed forward runs a chunk kernel; dh0 then needs its final state.
+TEST(CudaBackwardPlan, StateGradientsFromTheReversedForwardWhenChunksLineUp) {
+  EXPECT_EQ(plan_for({}).plan.state_grads_by_values, 1);
+  EXPECT_EQ(plan_for({.B = 1, .T = 1024}, {0, 64, 64, 320, 1024}).plan.state_grads_by_values, 1);
+  EXPECT_EQ(plan_for({.K = 256, .V = 512}).plan.state_grads_by_values, 1);  // the key split
+  for (const Shape& s : {Shape{.T = 300}, Shape{.T = 65}, Shape{.dv = false}, Shape{.dout = false}, Shape{.scale = 0.0f},
+                         Shape{.scale = 1e-7f}, Shape{.dq = false}}) {
+    const Planned r = plan_for(s);
+    EXPECT_EQ(r.plan.state_grads_by_values, 0) << "T" << s.T << " dv " << s.dv << " do " << s.dout << " scale " << s.scale;
+    EXPECT_EQ(r.plan.reversed_final, 0u);
+  }
+  EXPECT_EQ(plan_for({.B = 1, .T = 1000}, {0, 64, 1000}).plan.state_grads_by_values, 0);
+  // Only dh0 wanted still needs them.
+  EXPECT_EQ(plan_for({.dh0 = true, .dq = false}).plan.state_grads_by_values, 1);
+  // K = 384: the reversed forward is the recurrent kernel, which stores no chunk states.
+  const Planned wide = plan_for({.K = 384, .V = 64});
+  EXPECT_FALSE(cuda::is_chunk(wide.plan.values.kernel));
+  EXPECT_EQ(wide.plan.state_grads_by_values, 0);
+  const Planned with_dh0 = plan_for({.dht = true, .dh0 = true});
+  EXPECT_GT(with_dh0.plan.reversed_final, 0u);
+  expect_layout(with_dh0);
+  EXPECT_EQ(plan_for({.dht = true}).plan.reversed_final, 0u);
+}
+
+// Reversed chunk r of the reversed forward's sequence n' lands on the state gradient of original
+// chunk NC - 1 - r of its sequence, by ForwardParams::chunk_states' formula (P = (batch T + bos) / 64).
+TEST(CudaBackwardPlan, ReversedForwardStoresEachChunkInTheOriginalsSlot) {
+  struct Layout {
+    Shape s;
+    std::vector<int64_t> cu;
+  };
+  for (const Layout& l : {Layout{{.B = 3, .T = 256, .H = 2, .K = 64, .V = 32, .dh0 = true}, {}},
+                          Layout{{.B = 1, .T = 640, .H = 2, .K = 64, .V = 32}, {0, 0, 128, 128, 192, 640}}}) {
+    const Planned r = plan_for(l.s, l.cu);
+    ASSERT_EQ(r.plan.state_grads_by_values, 1);
+    std::vector<char> workspace(1);
+    char* ws = workspace.data();
+    const cuda::ForwardParams f = cuda::backward::reversed_forward(r.p, r.plan, ws);
+    ASSERT_NE(f.chunk_states, nullptr);
+    EXPECT_EQ(f.chunk_states_stride[2], r.p.K * r.p.V);
+    EXPECT_EQ(f.chunk_states_stride[3], r.p.V);
+    if (l.s.dh0) {
+      EXPECT_EQ(static_cast<void*>(f.final_state), static_cast<void*>(ws + r.plan.reversed_final));
+    }
+    const int64_t chunk = r.p.H * r.p.K * r.p.V;
+    const uint16_t* grads = reinterpret_cast<const uint16_t*>(ws + r.plan.state_grads);
+    std::vector<int64_t> offsets = l.cu, first_chunk = {0};
+    if (offsets.empty()) {
+      for (int64_t n = 0; n <= r.p.N; ++n) offsets.push_back(n * r.p.T);
+    }
+    for (int64_t n = 0; n < r.p.N; ++n) first_chunk.push_back(first_chunk.back() + (offsets[n + 1] - offsets[n]) / 64);
+    std::vector<int> hits(static_cast<size_t>(r.p.num_chunks), 0);
+    for (int64_t rn = 0; rn < r.p.N; ++rn) {  // the reversed forward's sequence rn
+      const int64_t n = l.cu.empty() ? rn : r.p.N - 1 - rn;  // the original sequence
+      const int64_t len = offsets[n + 1] - offsets[n];
+      const int64_t batch = l.cu.empty() ? rn : 0, bos = l.cu.empty() ? 0 : r.p.T - offsets[n + 1];
+      for (int64_t rc = 0; rc < len / 64; ++rc) {
+        const uint16_t* at = f.chunk_states + ((batch * f.T + bos) / 64) * f.chunk_states_stride[0] +
+                             rc * f.chunk_states_stride[1];
+        const int64_t c = len / 64 - 1 - rc;
+        EXPECT_EQ(at, grads + (first_chunk[n] + c) * chunk) << "sequence " << n << " chunk " << c;
+        ++hits[static_cast<size_t>(first_chunk[n] + c)];
+      }
+    }
+    for (int h : hits) EXPECT_EQ(h, 1);
+  }
 }
 
 }  // namespace

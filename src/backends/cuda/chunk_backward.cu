@@ -151,6 +151,24 @@ cudaError_t launch_values(const BackwardParams& p, const BackwardPlan& plan, cha
   return launch_forward(f, plan.values, plan.values_workspace ? workspace + plan.values_workspace : nullptr, stream);
 }
 
+// dh0 with BackwardPlan::state_grads_by_values: scale · 2^{g of the sequence's first token} times the
+// reversed forward's final state (sequence N - 1 - n with varlen); an empty sequence's is dht.
+__global__ void state_grad_start_kernel(BackwardParams p, const float* reversed_final) {
+  const int64_t total = p.N * p.H * p.K * p.V;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t j = e % p.V, i = (e / p.V) % p.K, h = (e / (p.V * p.K)) % p.H, n = e / (p.V * p.K * p.H);
+    const int64_t src_n = p.varlen ? p.N - 1 - n : n;
+    const Span s = sequence(p, n);
+    float factor = p.scale;
+    if (s.len > 0) {
+      const int64_t at = s.batch * p.g_stride[0] + s.bos * p.g_stride[1] + h * p.g_stride[2] + (p.gate_per_head ? 0 : i);
+      factor *= detail::fast_exp2(fmaxf(detail::load_any(p.g, at, p.gate_dtype) * kLog2e, kGateFloor));
+    }
+    p.dh0[state_at(p.dh0_stride, p.state_v_first, n, h, i, j)] =
+        factor * reversed_final[((src_n * p.H + h) * p.K + i) * p.V + j];
+  }
+}
+
 template <typename E>
 cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, const Workspace& ws, void* base,
                          cudaStream_t stream) {
@@ -158,7 +176,9 @@ cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, cons
   const int tiles = plan.key_tiles * plan.scan_value_groups;
   if (p.N > 0) {
     const size_t scan_bytes = sizeof(ScanShared);
-    const dim3 grid(static_cast<unsigned>(p.N * plan.scan_segments), static_cast<unsigned>(p.H), 2 * tiles);
+    // Forward walks only when the reversed forward gives the state gradients.
+    const dim3 grid(static_cast<unsigned>(p.N * plan.scan_segments), static_cast<unsigned>(p.H),
+                    (plan.state_grads_by_values ? 1 : 2) * tiles);
     if (plan.scan_segment_chunks > 0) {
       if ((err = detail::allow_dynamic_shared_memory<state_scan_kernel<E, true>>(scan_bytes, detail::Carveout::kMaxShared)) != cudaSuccess) return err;
       state_scan_kernel<E, true><<<grid, kScanThreads, scan_bytes, stream>>>(p, plan, ws);
@@ -169,15 +189,20 @@ cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, cons
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.num_chunks == 0) return cudaSuccess;
+  // dv (and with state_grads_by_values the state gradients dq/dk/dg read) by the reversed forward.
+  if (p.dv != nullptr) {
+    if ((err = launch_values(p, plan, static_cast<char*>(base), stream)) != cudaSuccess) return err;
+  }
+  if (plan.state_grads_by_values && p.dh0 != nullptr) {
+    state_grad_start_kernel<<<1024, 256, 0, stream>>>(p, reinterpret_cast<const float*>(static_cast<char*>(base) + plan.reversed_final));
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
   if (p.dq != nullptr || p.dk != nullptr || p.dg != nullptr) {
     const size_t bytes = sizeof(DqkShared);
     if ((err = detail::allow_dynamic_shared_memory<dqk_kernel<E>>(bytes, detail::Carveout::kMaxShared)) != cudaSuccess) return err;
     dqk_kernel<E><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.H), plan.key_tiles),
                     kGradThreads, bytes, stream>>>(p, plan, ws);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  if (p.dv != nullptr) {
-    if ((err = launch_values(p, plan, static_cast<char*>(base), stream)) != cudaSuccess) return err;
   }
   if (p.dg != nullptr && p.gate_per_head && plan.key_tiles > 1) {
     gate_sum_kernel<<<1024, 256, 0, stream>>>(p, plan.key_tiles, ws.gate_partials);

@@ -75,7 +75,7 @@ constexpr int kStateBytes = 2;          // bf16 chunk states and state gradients
 // Dynamic shared memory per block of the state walks and of the dq/dk/dg kernel
 // (sizeof(ScanShared), sizeof(DqkShared): chunk_backward.cu checks them).
 constexpr size_t kScanSharedBytes = 61696;
-constexpr size_t kDqkSharedBytes = 112896;
+constexpr size_t kDqkSharedBytes = 113152;
 }  // namespace backward
 
 // Where each intermediate lives in the workspace (byte offsets, 256-byte aligned).
@@ -99,6 +99,15 @@ struct BackwardPlan {
   size_t reversed_offsets = 0;     // int64 [N + 1]: cu_seqlens of the reversed varlen batch
   size_t reversed_dht = 0;         // fp32 [N, H, K, V]: dht / scale, sequences reversed with varlen
   size_t zero_values = 0;          // 16-bit [B, T, H, V] zeros: do absent or scale = 0
+  // 1: the state gradients come from the reversed forward instead of the reverse state walk. Its
+  // state at the start of each reversed chunk is dS_{c+1} / (scale · Diag(e^{g_{64(c+1)}})) of the
+  // original chunk c, stored into state_grads; the dq/dk/dg kernel applies that factor, and dh0 is
+  // scale · Diag(e^{g_0}) times its final state (reversed_final). Taken when the chunks of both
+  // directions line up (every sequence length a multiple of 64), the reversed forward runs a chunk
+  // kernel with do as its values, and 1 / scale is in range; the walks then run forward only (half
+  // the CTAs: one wave instead of two at B8 T4096 H16 D128).
+  int32_t state_grads_by_values = 0;
+  size_t reversed_final = 0;       // fp32 [N, H, K, V]: the reversed forward's final state (dh0 wanted)
   size_t workspace_bytes = 0;
   size_t shared_bytes = 0;         // the most dynamic shared memory per block of the call's kernels
 };
@@ -117,6 +126,9 @@ ForwardParams reversed_forward(const BackwardParams& p, const BackwardPlan& plan
 // Whether the reversed forward takes do as its values (else zeros: do absent, or scale = 0 where
 // dht / scale cannot carry the state gradient).
 bool values_from_do(const BackwardParams& p);
+// The scale of the reversed forward's states (dS_{c+1} = it · Diag(e^{g_{64(c+1)}}) · S'):
+// chunk_backward.cu's dh0 and the dq/dk/dg kernel use it.
+constexpr float kMinStateGradScale = 1e-6f;  // |scale| below it: the reverse walk (dht / scale could overflow)
 }  // namespace backward
 
 // Queues the backward on `stream`. workspace must hold plan.workspace_bytes, 256-byte aligned.

@@ -6,7 +6,7 @@
 //   dq_t    = scale 2^{b_t} ⊙ (S_c do_t)                              inter
 //           + 2^{b_t - b_{e_{i-1}}} ⊙ Σ_{j<i} dA_ij (k_j ⊙ 2^{b_{e_{i-1}} - b_s})   query block i, off-diagonal
 //           + Σ_{s<=t, same block} dA[t,s] k_s ⊙ 2^{b_t - b_s}        diagonal block
-//   dk_s    = 2^{b_last - b_s} ⊙ (dS_{c+1} v_s)                       inter
+//   dk_s    = 2^{b_last - b_s} ⊙ (dS_{c+1} v_s)                       inter (dS_{c+1}: see next_gate)
 //           + 2^{b_{e_j} - b_s} ⊙ Σ_{i>j} dA_ijᵀ (q_i ⊙ 2^{b_t - b_{e_j}})          key block j, off-diagonal
 //           + Σ_{t>=s, same block} dA[t,s] q_t ⊙ 2^{b_t - b_s}        diagonal block
 //   dg_u    = Σ_{t=u..last} (q_t ⊙ dq_t - k_t ⊙ dk_t) + 2^{b_last} ⊙ rowsum(S_c ⊙ dS_{c+1})
@@ -74,6 +74,10 @@ struct DqkShared {
     alignas(128) float x[kChunk * kLdX];  // q ⊙ dq - k ⊙ dk, then dg (dA and the copies are done with)
   } u;
   float rowsum[kTile];
+  // BackwardPlan::state_grads_by_values: the gate at the next chunk's first token, log2 units, per
+  // key (0 for a sequence's last chunk, and without that plan): dS_{c+1} is the stored state times
+  // scale 2^{this}.
+  float next_gate[kTile];
   float inter_part[4][kTile];  // per sub-chunk: column sums of k ⊙ dk^inter
   float column_part[kRowGroups][kTile];  // per-column partial sums of row groups (gate cumsum, dg)
 };
@@ -163,8 +167,19 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     detail::cp_async_commit();
     if (plan.value_tiles > 0) stage_values(0, 0);
     if (plan.value_tiles > 1) stage_values(1, 1);
-    gate_cumsum<kGradThreads, kLdGate>(sh.b, gate, p, &sh.column_part[0][0], tid);
+    if (tid < kTile) {
+      float x = 0.0f;
+      const Span seq = sequence(p, ch.n);
+      if (plan.state_grads_by_values && tid < kv && (ch.index_in_sequence + 1) * kChunk < seq.len) {
+        const int64_t at = ch.batch * p.g_stride[0] + (ch.t0 + kChunk) * p.g_stride[1] + h * p.g_stride[2] +
+                           (p.gate_per_head ? 0 : k0 + tid);
+        x = fmaxf(detail::load_any(p.g, at, p.gate_dtype) * kLog2e, kGateFloor);
+      }
+      sh.next_gate[tid] = x;
+    }
+    gate_cumsum<kGradThreads, kLdGate>(sh.b, gate, p, &sh.column_part[0][0], tid);  // synchronises
   }
+  const float state_grad_scale = plan.state_grads_by_values ? p.scale : 1.0f;
 
   // ---- over the value tiles: Pq = do S_cᵀ (into dq), Pk = v dS_{c+1}ᵀ (into dk), dA = do vᵀ,
   // rowsum(S_c ⊙ dS_{c+1}) ----
@@ -244,7 +259,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   for (int i = 0; i < kStateGroups; ++i) {
     float x = rowsum_part[i];
     for (int off = 4; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-    if ((lane & 7) == 0) sh.rowsum[(tid + i * kGradThreads) >> 3] = x;
+    const int row = (tid + i * kGradThreads) >> 3;
+    if ((lane & 7) == 0) sh.rowsum[row] = x * (state_grad_scale * fast_exp2(sh.next_gate[row]));
   }
 
   // ---- inter-chunk factors on the fragments; dA in 16 bits; Σ_s k_s ⊙ dk_s^inter per column ----
@@ -257,6 +273,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     for (int n = 0; n < 4; ++n) {
       const int c = col_of(n);
       const float2 last = pair_at(sh.b, kLdGate, kChunk - 1, c);
+      const float2 next = *reinterpret_cast<const float2*>(sh.next_gate + c);
       inter[n][0] = inter[n][1] = 0.0f;
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
@@ -267,8 +284,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         b_frag[n][hr] = bt;
         dq[n][2 * hr] *= p.scale * fast_exp2(bt.x);
         dq[n][2 * hr + 1] *= p.scale * fast_exp2(bt.y);
-        dk[n][2 * hr] *= fast_exp2(last.x - bt.x);
-        dk[n][2 * hr + 1] *= fast_exp2(last.y - bt.y);
+        dk[n][2 * hr] *= state_grad_scale * fast_exp2(last.x - bt.x + next.x);
+        dk[n][2 * hr + 1] *= state_grad_scale * fast_exp2(last.y - bt.y + next.y);
         const float2 kt = X::to_float2(k_frag[n][hr]);
         inter[n][0] += kt.x * dk[n][2 * hr];
         inter[n][1] += kt.y * dk[n][2 * hr + 1];

@@ -4,7 +4,8 @@
 // Both have the form X ← Diag(decay) X + (keys ⊙ factor)ᵀ values, and the decay is diagonal in the
 // keys, so a CTA owns one 64 x 64 (key tile, value tile) block of one (sequence, head) and walks the
 // sequence's chunks, storing the block before each chunk's update: S_c (forward) or dS_{c+1}
-// (reverse) for the gradient kernels, in bf16.
+// (reverse) for the gradient kernels, in bf16. With BackwardPlan::state_grads_by_values the grid
+// holds the forward walks only (the reversed forward stores the state gradients).
 //
 // The block lives in fp32 registers as the transposed block Xᵀ [values x keys] in mma.sync C
 // fragments, warp w owning value rows 16w..16w+15: the forward's state update (chunk_tile_ops.cuh,

@@ -48,6 +48,15 @@ struct ForwardParams {
   int32_t gate_dtype;  // ElementType of g
   int32_t gate_per_head;
   int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
+  // Chunk-start states for the backward (null: none stored): before each chunk's update the chunk
+  // kernels store the state block, rounded to bf16, at chunk_states + P * chunk_states_stride[0]
+  // + c * chunk_states_stride[1] + h * chunk_states_stride[2] + key * chunk_states_stride[3] + value,
+  // c the chunk within its sequence and P = (batch * T + bos) / 64 its sequence's first chunk (the
+  // caller keeps T, or with varlen every sequence start, a multiple of 64). Strides in elements,
+  // negative ones allowed: the backward's reversed forward stores its chunks in the original order.
+  // The recurrent kernel does not store them (the planner's callers check plan.kernel).
+  uint16_t* chunk_states;
+  int64_t chunk_states_stride[4];
   // 1: add this pass's o to what o holds (the key split's second half on the warp-specialised
   // kernel at K = 128: ForwardPlan::key_split == 2). Picks a kernel instance; 0 otherwise.
   int32_t accumulate_o;

@@ -144,6 +144,7 @@ cudaError_t launch_key_split(const ForwardParams& p, const ForwardPlan& plan, vo
   const int kd = p.state_v_first ? 3 : 2;
   if (p.initial_state) hi.initial_state = p.initial_state + 128 * p.h0_stride[kd];
   if (p.final_state) hi.final_state = p.final_state + 128 * p.ht_stride[kd];
+  if (p.chunk_states) hi.chunk_states = p.chunk_states + 128 * p.chunk_states_stride[3];
   cudaError_t err = launch_chunk_forward(lo, plan, workspace, stream);
   if (err != cudaSuccess) return err;
   if (plan.key_split == 2) {  // the second pass adds into o as it stores

@@ -2,6 +2,7 @@
 // a GPU (tests/cpp/test_cuda_backward_plan.cpp); and the reversed forward's problem, which the plan
 // and the launcher (chunk_backward.cu) both build.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "backends/cuda/chunk_backward.hpp"
@@ -57,6 +58,25 @@ ForwardParams reversed_forward(const BackwardParams& p, const BackwardPlan& plan
   f.gate_dtype = p.gate_dtype;
   f.gate_per_head = p.gate_per_head;
   f.vector_loads = p.vector_loads && p.vector_dv;
+  if (plan.state_grads_by_values && workspace != nullptr) {
+    // Reversed chunk r of (reversed) sequence n' is original chunk NC - 1 - r of its sequence, at
+    // state_grads[first chunk + NC - 1 - r]: without varlen sequence n' is row n' (first chunk
+    // n' NC, P = n' NC); with varlen it is sequence N - 1 - n', whose chunks end where the
+    // reversed one starts (T / 64 - 1 - P - r).
+    const int64_t chunk = p.H * p.K * p.V, nc = p.T / kChunk;
+    f.chunk_states = reinterpret_cast<uint16_t*>(workspace + plan.state_grads) + (nc - 1) * chunk;
+    f.chunk_states_stride[0] = p.varlen ? -chunk : chunk;
+    f.chunk_states_stride[1] = -chunk;
+    f.chunk_states_stride[2] = p.K * p.V;
+    f.chunk_states_stride[3] = p.V;
+    if (plan.reversed_final) {
+      f.final_state = reinterpret_cast<float*>(workspace + plan.reversed_final);
+      f.ht_stride[0] = p.H * p.K * p.V;
+      f.ht_stride[1] = p.K * p.V;
+      f.ht_stride[2] = p.V;
+      f.ht_stride[3] = 1;
+    }
+  }
   return f;
 }
 
@@ -71,6 +91,21 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
   plan.key_tiles = static_cast<int32_t>((p.K + backward::kTile - 1) / backward::kTile);
   plan.value_tiles = static_cast<int32_t>((p.V + backward::kTile - 1) / backward::kTile);
   plan.scan_value_groups = static_cast<int32_t>((p.V + backward::kScanValues - 1) / backward::kScanValues);
+  // Whether the state gradients can come from the reversed forward (BackwardPlan::state_grads_by_values):
+  // decided before the walks' segment split, which counts the walks.
+  const bool wants_state_grads = p.dq != nullptr || p.dk != nullptr || p.dg != nullptr || p.dh0 != nullptr;
+  bool aligned = p.N > 0;
+  for (int64_t n = 0; n < p.N && aligned; ++n) aligned = (seq_offsets[n + 1] - seq_offsets[n]) % backward::kChunk == 0;
+  if (!p.varlen) aligned = aligned && p.T % backward::kChunk == 0;
+  std::vector<int64_t> reversed_offsets(seq_offsets, seq_offsets + p.N + 1);
+  if (p.varlen) {
+    for (int64_t i = 0; i <= p.N; ++i) reversed_offsets[i] = p.T - seq_offsets[p.N - i];
+  }
+  if (p.dv != nullptr && p.num_chunks > 0 && wants_state_grads && aligned && backward::values_from_do(p) &&
+      std::fabs(p.scale) >= backward::kMinStateGradScale) {
+    const ForwardPlan values = plan_forward(backward::reversed_forward(p, plan, nullptr), reversed_offsets.data(), sm_count);
+    plan.state_grads_by_values = is_chunk(values.kernel) ? 1 : 0;
+  }
   const size_t state_bytes = static_cast<size_t>(p.num_chunks) * p.H * p.K * p.V * backward::kStateBytes;
   size_t at = 0;
   plan.chunk_offsets = at;
@@ -94,6 +129,8 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
       const int64_t c = (seq_offsets[n + 1] - seq_offsets[n] + backward::kChunk - 1) / backward::kChunk;
       max_chunks = c > max_chunks ? c : max_chunks;
     }
+    // Both directions counted, as measured; with state_grads_by_values the grid has half of them
+    // (the split then aims at about one wave).
     const int64_t walks = p.N * p.H * 2 * plan.key_tiles * plan.scan_value_groups;
     const int64_t slots = int64_t(sm_count > 0 ? sm_count : 1) * 2;
     if (walks > 0 && walks < slots && max_chunks >= 16) {
@@ -115,11 +152,7 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
   if (p.dv != nullptr && p.num_chunks > 0) {
     // The reversed varlen batch has the same lengths in reverse order (the segment planner and the
     // longest-first block order see the reversed offsets).
-    std::vector<int64_t> offsets(seq_offsets, seq_offsets + p.N + 1);
-    if (p.varlen) {
-      for (int64_t i = 0; i <= p.N; ++i) offsets[i] = p.T - seq_offsets[p.N - i];
-    }
-    plan.values = plan_forward(backward::reversed_forward(p, plan, nullptr), offsets.data(), sm_count);
+    plan.values = plan_forward(backward::reversed_forward(p, plan, nullptr), reversed_offsets.data(), sm_count);
     const int64_t Kg = p.gate_per_head ? 1 : p.K;
     plan.reversed_gate = at;
     at = align256(at + static_cast<size_t>(p.B) * p.T * p.H * Kg * (p.gate_dtype == kF32 ? 4 : 2));
@@ -134,6 +167,10 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
     if (!backward::values_from_do(p)) {
       plan.zero_values = at;
       at = align256(at + static_cast<size_t>(p.B) * p.T * p.H * p.V * 2);
+    }
+    if (plan.state_grads_by_values && p.dh0 != nullptr) {
+      plan.reversed_final = at;
+      at = align256(at + static_cast<size_t>(p.N) * p.H * p.K * p.V * sizeof(float));
     }
     if (plan.values.workspace_bytes > 0) {
       plan.values_workspace = at;
