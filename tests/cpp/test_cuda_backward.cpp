@@ -202,9 +202,8 @@ TEST(CudaBackward, AbsentInputsAndOutputs) {
   check_case(c, no_dv);
 }
 
-TEST(CudaBackward, HardResetGates) {
-  SKIP_WITHOUT_CUDA();
-  Case c = base_case(GLA_DTYPE_BF16, 1, 300, 2, 64);
+// Every 97th gate -inf (a hard reset, SPEC §3.8): finite outputs close to the reference.
+void check_hard_resets(const Case& c) {
   Inputs in = make_inputs(c);
   const double inf = std::numeric_limits<double>::infinity();
   for (int64_t i = 0; i < in.g.size(); i += 97) in.g.set(i, -inf);
@@ -218,6 +217,23 @@ TEST(CudaBackward, HardResetGates) {
   EXPECT_LT(max_error(got.out, ref, true, report), 5e-3) << report;
 }
 
+TEST(CudaBackward, HardResetGates) {
+  SKIP_WITHOUT_CUDA();
+  check_hard_resets(base_case(GLA_DTYPE_BF16, 1, 300, 2, 64));
+}
+
+// Two calls on the same inputs give bitwise-identical outputs.
+void expect_bitwise_reruns(const Case& c) {
+  const Inputs in = make_inputs(c);
+  CudaBackwardRun a = run_cuda_backward(in), b = run_cuda_backward(in);
+  ASSERT_EQ(a.status, GLA_STATUS_OK) << a.error;
+  EXPECT_EQ(a.out.dq.bytes, b.out.dq.bytes);
+  EXPECT_EQ(a.out.dk.bytes, b.out.dk.bytes);
+  EXPECT_EQ(a.out.dv.bytes, b.out.dv.bytes);
+  EXPECT_EQ(a.out.dg.bytes, b.out.dg.bytes);
+  EXPECT_EQ(a.out.dh0.bytes, b.out.dh0.bytes);
+}
+
 TEST(CudaBackward, LongSequence) {
   SKIP_WITHOUT_CUDA();
   Case c = base_case(GLA_DTYPE_BF16, 1, 65536 + 37, 1, 64);
@@ -228,14 +244,7 @@ TEST(CudaBackward, BitwiseReruns) {
   SKIP_WITHOUT_CUDA();
   Case c = base_case(GLA_DTYPE_BF16, 2, 3000, 2, 128);
   c.per_head_gate = true;
-  const Inputs in = make_inputs(c);
-  CudaBackwardRun a = run_cuda_backward(in), b = run_cuda_backward(in);
-  ASSERT_EQ(a.status, GLA_STATUS_OK) << a.error;
-  EXPECT_EQ(a.out.dq.bytes, b.out.dq.bytes);
-  EXPECT_EQ(a.out.dk.bytes, b.out.dk.bytes);
-  EXPECT_EQ(a.out.dv.bytes, b.out.dv.bytes);
-  EXPECT_EQ(a.out.dg.bytes, b.out.dg.bytes);
-  EXPECT_EQ(a.out.dh0.bytes, b.out.dh0.bytes);
+  expect_bitwise_reruns(c);
 }
 
 // Every sequence length a multiple of 64: the state gradients come from the reversed forward's
@@ -282,26 +291,8 @@ TEST(CudaBackward, StateGradientsFromTheReversedForward) {
   no_dh0.dh0 = true;
   check_case(base_case(GLA_DTYPE_BF16, 2, 256, 2, 64), no_dh0);
   check_case(base_case(GLA_DTYPE_BF16, 1, 65536, 1, 64));  // both segment splits
-  {
-    Case c = base_case(GLA_DTYPE_BF16, 1, 256, 2, 64);
-    Inputs in = make_inputs(c);
-    const double inf = std::numeric_limits<double>::infinity();
-    for (int64_t i = 0; i < in.g.size(); i += 97) in.g.set(i, -inf);
-    const Outputs ref = reference_backward(in, {});
-    CudaBackwardRun got = run_cuda_backward(in);
-    ASSERT_EQ(got.status, GLA_STATUS_OK) << got.error;
-    std::string report;
-    EXPECT_LT(max_error(got.out, ref, true, report), 5e-3) << report;
-  }
-  Case b = base_case(GLA_DTYPE_BF16, 2, 3072, 2, 128);
-  const Inputs in = make_inputs(b);
-  CudaBackwardRun x = run_cuda_backward(in), y = run_cuda_backward(in);
-  ASSERT_EQ(x.status, GLA_STATUS_OK) << x.error;
-  EXPECT_EQ(x.out.dq.bytes, y.out.dq.bytes);
-  EXPECT_EQ(x.out.dk.bytes, y.out.dk.bytes);
-  EXPECT_EQ(x.out.dv.bytes, y.out.dv.bytes);
-  EXPECT_EQ(x.out.dg.bytes, y.out.dg.bytes);
-  EXPECT_EQ(x.out.dh0.bytes, y.out.dh0.bytes);
+  check_hard_resets(base_case(GLA_DTYPE_BF16, 1, 256, 2, 64));
+  expect_bitwise_reruns(base_case(GLA_DTYPE_BF16, 2, 3072, 2, 128));
 }
 
 TEST(CudaBackward, DeclinesFloat32WithReason) {
