@@ -21,12 +21,13 @@ Per configuration (default: hidden 1024 / 8 heads and hidden 2048 / 4 heads, 4 l
 4. decoding throughput at batch 64: generate 128 new tokens after a 128-token prompt, minus the
    time of a 1-token generate (the prefill), in tokens/s.
 
-fla comes from its wheels, not a dependency of libgla. On a machine without network, download them
-once where there is one and carry the folder:
-    pip download flash-linear-attention==0.6.0 transformers==5.23.0 --only-binary=:all: \
-        --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl-fla
+fla comes from its wheels, not a dependency of libgla. The GPU machine has transformers (5.17.0,
+within flash-linear-attention's transformers<6,>=5.6.2) but no network: download the rest once where
+there is one and carry the folder (1.5 MB):
+    pip download flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2 --no-deps \
+        --only-binary=:all: -d .whl-fla
 then on the GPU machine (repository root, libgla built with CUDA in build-cuda/):
-    pip install -q --no-index --find-links .whl-fla flash-linear-attention==0.6.0
+    pip install -q --no-index --no-deps --target /tmp/site_fla .whl-fla/*.whl   (PYTHONPATH=/tmp/site_fla)
     python3 bench/fla_model_dropin.py --lib build-cuda/libgla.so --out "$OUT"   [--quick]
 Writes fla_model_dropin_<configs>.json and ..._loss.png into --out (default $OUT, else
 bench/results/) and prints a summary table. --quick: T512, 10 steps, short generations.

@@ -91,6 +91,12 @@ for step in "$@"; do
         timeout ${TRAINING_TIMEOUT:-500} python3 bench/cuda/bench_training.py --fla-tune-ms 5,20 --cases "${TRAINING_CASES:-}" \
         --autotune-dir bench/cuda/fla_autotune --autotune-out "$LOG/fla_autotune" --json "$LOG/training.json" 2>&1 \
         | tee "$LOG/training.log" | grep -v Warn ;;
+    dropin) # fla's GLAForCausalLM on fla's kernels and on libgla (bench/fla_model_dropin.py; carry
+      # .whl-fla, the wheels of its docstring): DROPIN_CONFIGS (default 1024x8), DROPIN_ARGS extra flags
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl-fla/*.whl
+      PYTHONPATH=/tmp/site_fla:python LD_LIBRARY_PATH=build-cuda TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1 \
+        timeout ${DROPIN_TIMEOUT:-500} python3 bench/fla_model_dropin.py --lib build-cuda/libgla.so --out "$LOG" \
+        --fla-tune-ms 5,20 --configs ${DROPIN_CONFIGS:-1024x8} ${DROPIN_ARGS:-} 2>&1 | tee "$LOG/dropin.log" | grep -v Warn ;;
     *) echo "unknown step $step" ;;
   esac
 done
