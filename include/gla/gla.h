@@ -199,7 +199,7 @@ GLA_API gla_status gla_chunk_backward(const gla_chunk_backward_args* args, const
 /* Forward and backward with saved chunk-start states: the forward leaves the state at the start of
  * every 64-token chunk (it computes them anyway) and the backward reads them instead of recomputing
  * them (the backward's first pass).
- *   chunk_states  [NC, H, K, V] f32, contiguous, on q's device; the layout of the fwd_h stage's `h`
+ *   chunk_states  [NC, H, K, V] f32 or bf16, contiguous, on q's device; the layout of the fwd_h stage's `h`
  *                 (gla_problem below) at chunk size 64: NC = sum over sequences n of ceil(T_n / 64),
  *                 sequence n's chunk c (tokens [64c, min(64(c+1), T_n)) of that sequence) at index
  *                 (chunks of sequences 0..n-1) + c; without cu_seqlens sequence n is batch row n.
@@ -211,10 +211,13 @@ GLA_API gla_status gla_chunk_backward(const gla_chunk_backward_args* args, const
  * same q, k, v, g, initial_state, cu_seqlens and options (not checked: other states give the
  * gradients of other states). chunk_states NULL: exactly gla_chunk_forward / gla_chunk_backward.
  * Validation as for the other arguments (dtype, device, shape with NC, contiguity), before anything
- * is written. Only backends that declare it run these with chunk_states (the built-in `cpu`); the
- * others, and the stage pipeline, decline with that reason, so with a forced backend that does not
- * handle them the call fails with GLA_STATUS_NOT_SUPPORTED. The args structs are those above, so
- * callers of the older entry points are unaffected. */
+ * is written. Only backends that declare the dtype (GLA_FEATURE_CHUNK_STATES for f32,
+ * GLA_FEATURE_CHUNK_STATES_BF16 for bf16) run these with chunk_states: the built-in `cpu` saves
+ * f32 states, the built-in `cuda` bf16 states (16-bit q, k, v, without cu_seqlens, K <= 256: half
+ * the bytes, and its backward rounds the states it recomputes to bf16 as well). The others, and
+ * the stage pipeline, decline with that reason, so with a forced backend that does not handle them
+ * the call fails with GLA_STATUS_NOT_SUPPORTED. The args structs are those above, so callers of the
+ * older entry points are unaffected. */
 GLA_API gla_status gla_chunk_forward_saving_states(const gla_chunk_forward_args* args, const gla_tensor* chunk_states,
                                                    const gla_options* options);
 GLA_API gla_status gla_chunk_backward_from_states(const gla_chunk_backward_args* args,
@@ -246,6 +249,15 @@ GLA_API gla_status gla_chunk_forward_with_allocator(const gla_chunk_forward_args
                                                     const gla_allocator* allocator);
 GLA_API gla_status gla_chunk_backward_with_allocator(const gla_chunk_backward_args* args, const gla_options* options,
                                                      const gla_allocator* allocator);
+/* The same for the saved-states entry points (chunk_states NULL: the two above). */
+GLA_API gla_status gla_chunk_forward_saving_states_with_allocator(const gla_chunk_forward_args* args,
+                                                                  const gla_tensor* chunk_states,
+                                                                  const gla_options* options,
+                                                                  const gla_allocator* allocator);
+GLA_API gla_status gla_chunk_backward_from_states_with_allocator(const gla_chunk_backward_args* args,
+                                                                 const gla_tensor* chunk_states,
+                                                                 const gla_options* options,
+                                                                 const gla_allocator* allocator);
 
 /* ------------------------------------------------------------------------------------------ */
 /* The recurrent operator (the token loop; SPEC.md §6)                                          */
@@ -473,12 +485,13 @@ typedef struct gla_problem {
 #define GLA_FEATURE_STATE_V_FIRST (1u << 3)  /* states [N, H, V, K] */
 #define GLA_FEATURE_PER_KEY_GATE (1u << 4)   /* g [B, T, H, K] (the recurrent gk) */
 #define GLA_FEATURE_PER_HEAD_GATE (1u << 5)  /* g [B, T, H] */
-#define GLA_FEATURE_CHUNK_STATES (1u << 6)   /* the whole operations' saved chunk states (problem.h) */
+#define GLA_FEATURE_CHUNK_STATES (1u << 6)   /* the whole operations' saved chunk states (problem.h), f32 */
 #define GLA_FEATURE_VALUE_GATE (1u << 7)     /* recurrent gv */
 #define GLA_FEATURE_REVERSE (1u << 8)        /* recurrent, last token first */
 #define GLA_FEATURE_STATE_POOL (1u << 9)     /* recurrent state update (state_slots) */
 #define GLA_FEATURE_TOKEN_STATES (1u << 10)  /* recurrent state update's token_states */
-#define GLA_FEATURE_ALL 0x7ffu
+#define GLA_FEATURE_CHUNK_STATES_BF16 (1u << 11) /* the same saved chunk states in bf16 */
+#define GLA_FEATURE_ALL 0xfffu
 /* Layout needs (gla_capability.layout). */
 #define GLA_LAYOUT_LAST_DIM_CONTIGUOUS (1u << 0) /* stride 1 in the last dimension of q, k, v, o, the
                                                     per-key gate and their gradients */

@@ -8,7 +8,7 @@ from . import _lib, _ops
 
 DTYPES = {_lib.F32: "float32", _lib.F16: "float16", _lib.BF16: "bfloat16"}
 FEATURES = ("varlen", "initial_state", "final_state", "state_v_first", "per_key_gate", "per_head_gate",
-            "chunk_states", "value_gate", "reverse", "state_pool", "token_states")
+            "chunk_states", "value_gate", "reverse", "state_pool", "token_states", "chunk_states_bf16")
 UNITS = ("chunk_fwd", "chunk_bwd", "cumsum", "fwd_h", "fwd_intra", "fwd_o", "bwd_dh", "bwd_dv", "bwd_dA",
          "bwd_dqk_intra", "bwd_dqkg", "recurrent_fwd", "recurrent_bwd")
 DEVICES = {_lib.DEVICE_CPU: "cpu", _lib.DEVICE_CUDA: "cuda", _lib.DEVICE_CUDA_HOST: "cuda_host",

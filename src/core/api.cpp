@@ -101,20 +101,32 @@ gla_status gla_chunk_backward_from_states(const gla_chunk_backward_args* args, c
 
 gla_status gla_chunk_forward_with_allocator(const gla_chunk_forward_args* args, const gla_options* options,
                                             const gla_allocator* allocator) {
-  return guarded([&] {
-    const gla_options opts = gla::read_options(options);
-    gla::check_allocator(allocator);
-    gla::PreparedProblem prepared = gla::prepare_forward(args, opts, false);
-    gla::execute(prepared, opts, allocator);
-  });
+  return gla_chunk_forward_saving_states_with_allocator(args, nullptr, options, allocator);
 }
 
 gla_status gla_chunk_backward_with_allocator(const gla_chunk_backward_args* args, const gla_options* options,
                                              const gla_allocator* allocator) {
+  return gla_chunk_backward_from_states_with_allocator(args, nullptr, options, allocator);
+}
+
+gla_status gla_chunk_forward_saving_states_with_allocator(const gla_chunk_forward_args* args,
+                                                          const gla_tensor* chunk_states, const gla_options* options,
+                                                          const gla_allocator* allocator) {
   return guarded([&] {
     const gla_options opts = gla::read_options(options);
     gla::check_allocator(allocator);
-    gla::PreparedProblem prepared = gla::prepare_backward(args, opts, false);
+    gla::PreparedProblem prepared = gla::prepare_forward(args, opts, false, chunk_states);
+    gla::execute(prepared, opts, allocator);
+  });
+}
+
+gla_status gla_chunk_backward_from_states_with_allocator(const gla_chunk_backward_args* args,
+                                                         const gla_tensor* chunk_states, const gla_options* options,
+                                                         const gla_allocator* allocator) {
+  return guarded([&] {
+    const gla_options opts = gla::read_options(options);
+    gla::check_allocator(allocator);
+    gla::PreparedProblem prepared = gla::prepare_backward(args, opts, false, chunk_states);
     gla::execute(prepared, opts, allocator);
   });
 }

@@ -18,7 +18,7 @@ constexpr Feature kFeatures[] = {
     {GLA_FEATURE_PER_KEY_GATE, "per-key gate"}, {GLA_FEATURE_PER_HEAD_GATE, "per-head gate"},
     {GLA_FEATURE_CHUNK_STATES, "chunk_states"}, {GLA_FEATURE_VALUE_GATE, "value gate (gv)"},
     {GLA_FEATURE_REVERSE, "reverse"},         {GLA_FEATURE_STATE_POOL, "state pool"},
-    {GLA_FEATURE_TOKEN_STATES, "token_states"}};
+    {GLA_FEATURE_TOKEN_STATES, "token_states"}, {GLA_FEATURE_CHUNK_STATES_BF16, "bf16 chunk_states"}};
 
 // Appends `item` to a comma-separated list.
 void join(std::string& list, const std::string& item) {
@@ -88,9 +88,10 @@ std::vector<std::string> record_reasons(const gla_capability& c, const gla_probl
   const uint32_t missing = problem_features(p) & ~c.features;
   for (const Feature& f : kFeatures) {
     if (!(missing & f.bit)) continue;
-    if (f.bit == GLA_FEATURE_CHUNK_STATES) {
-      why.push_back(p.unit == GLA_UNIT_CHUNK_FWD ? "does not write saved chunk states (chunk_states)"
-                                                 : "does not read saved chunk states (chunk_states)");
+    if (f.bit == GLA_FEATURE_CHUNK_STATES || f.bit == GLA_FEATURE_CHUNK_STATES_BF16) {
+      const std::string in = f.bit == GLA_FEATURE_CHUNK_STATES ? "f32" : "bf16";
+      why.push_back(p.unit == GLA_UNIT_CHUNK_FWD ? "does not write saved chunk states in " + in + " (chunk_states)"
+                                                 : "does not read saved chunk states in " + in + " (chunk_states)");
     } else {
       why.push_back(std::string(f.name) + " not declared");
     }
@@ -132,7 +133,7 @@ gla_capability open_capability(uint64_t units, uint64_t devices) {
   c.gate_dtype_mask = kFloatDtypes;
   c.k_min = 1;
   c.v_min = 1;
-  c.features = GLA_FEATURE_ALL & ~GLA_FEATURE_CHUNK_STATES;
+  c.features = GLA_FEATURE_ALL & ~(GLA_FEATURE_CHUNK_STATES | GLA_FEATURE_CHUNK_STATES_BF16);
   return c;
 }
 
@@ -143,7 +144,9 @@ uint32_t problem_features(const gla_problem& p) {
   if ((present(p.final_state) && !present(p.state_slots)) || present(p.dht)) f |= GLA_FEATURE_FINAL_STATE;
   if (p.state_v_first) f |= GLA_FEATURE_STATE_V_FIRST;
   if (present(p.g)) f |= p.gate_per_head ? GLA_FEATURE_PER_HEAD_GATE : GLA_FEATURE_PER_KEY_GATE;
-  if (!unit_is_stage(p.unit) && !is_recurrent(p.unit) && present(p.h)) f |= GLA_FEATURE_CHUNK_STATES;
+  if (!unit_is_stage(p.unit) && !is_recurrent(p.unit) && present(p.h)) {
+    f |= p.h.dtype == GLA_DTYPE_BF16 ? GLA_FEATURE_CHUNK_STATES_BF16 : GLA_FEATURE_CHUNK_STATES;
+  }
   if (present(p.gv)) f |= GLA_FEATURE_VALUE_GATE;
   if (p.reverse) f |= GLA_FEATURE_REVERSE;
   if (present(p.state_slots)) f |= GLA_FEATURE_STATE_POOL;

@@ -317,14 +317,16 @@ void check_state_like(const char* name, const gla_tensor& t, const gla_problem& 
 }
 
 // The saved chunk states (gla_chunk_forward_saving_states / gla_chunk_backward_from_states in gla.h):
-// [NC, H, K, V] f32, contiguous, q's device; stored in problem.h of the whole operation.
+// [NC, H, K, V] f32 or bf16, contiguous, q's device; stored in problem.h of the whole operation.
 // NC depends on the sequence lengths: checked here when they are on the host, else by
 // check_chunk_states_count once execute() has loaded them.
 constexpr int64_t kSavedStateChunk = 64;
 void check_chunk_states(const gla_tensor& t, PreparedProblem& out, bool metadata_only) {
   const gla_problem& p = out.problem;
   check_descriptor("chunk_states", t, metadata_only);
-  check_dtype("chunk_states", t, GLA_DTYPE_F32, " (saved chunk states are fp32)");
+  if (t.dtype != GLA_DTYPE_F32 && t.dtype != GLA_DTYPE_BF16) {
+    invalid(std::string("chunk_states: expected dtype f32 or bf16 (saved chunk states), got ") + dtype_name(t.dtype));
+  }
   const bool lengths_known = !out.offsets_need_copy && !out.seq_offsets.empty();
   const int64_t nc = lengths_known ? saved_state_chunks(p) : (t.rank == 4 ? t.sizes[0] : 0);
   check_shape("chunk_states", t, {nc, p.H, p.K, p.V}, "[NC, H, K, V], NC = sum over sequences of ceil(T_n / 64)");

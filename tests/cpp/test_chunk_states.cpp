@@ -277,7 +277,7 @@ TEST(ChunkStates, BadStatesRejected) {
   };
   std::vector<Bad> bad;
   bad.push_back({"dtype f64", HostTensor(GLA_DTYPE_F64, {6, c.H, c.K, c.V})});
-  bad.push_back({"dtype bf16", HostTensor(GLA_DTYPE_BF16, {6, c.H, c.K, c.V})});
+  bad.push_back({"dtype f16", HostTensor(GLA_DTYPE_F16, {6, c.H, c.K, c.V})});
   bad.push_back({"chunk count + 1", HostTensor(GLA_DTYPE_F32, {7, c.H, c.K, c.V})});
   bad.push_back({"chunk count of T / 64 rounded up", HostTensor(GLA_DTYPE_F32, {4, c.H, c.K, c.V})});
   bad.push_back({"K and V swapped", HostTensor(GLA_DTYPE_F32, {6, c.H, c.V, c.K})});
@@ -339,7 +339,7 @@ TEST(ChunkStates, OtherBackendsDecline) {
     EXPECT_EQ(gla_chunk_forward_saving_states(&fa, &h.t, &o), GLA_STATUS_NOT_SUPPORTED);
     std::string msg = gla_last_error();
     EXPECT_NE(msg.find(pipeline ? "stage pipeline does not write saved chunk states"
-                                : "does not write saved chunk states (chunk_states)"),
+                                : "does not write saved chunk states in f32 (chunk_states)"),
               std::string::npos)
         << msg;
     EXPECT_TRUE(all_nan(f.o));
@@ -349,7 +349,7 @@ TEST(ChunkStates, OtherBackendsDecline) {
     EXPECT_EQ(gla_chunk_backward_from_states(&ba, &h.t, &o), GLA_STATUS_NOT_SUPPORTED);
     msg = gla_last_error();
     EXPECT_NE(msg.find(pipeline ? "stage pipeline does not read saved chunk states"
-                                : "does not read saved chunk states (chunk_states)"),
+                                : "does not read saved chunk states in f32 (chunk_states)"),
               std::string::npos)
         << msg;
     EXPECT_TRUE(all_nan(g.dq));
@@ -360,6 +360,39 @@ TEST(ChunkStates, OtherBackendsDecline) {
     Outputs f;
     gla_chunk_forward_args fa = forward_args(in, f);
     EXPECT_EQ(gla_chunk_forward_saving_states(&fa, &h.t, &o), GLA_STATUS_OK) << gla_last_error();
+  }
+}
+
+// bf16 saved states are valid arguments (the `cuda` backend's), which the `cpu` backend, saving
+// f32 states, declines with that reason: forced, NOT_SUPPORTED and nothing written; by default no
+// backend on the host takes them.
+TEST(ChunkStates, CpuDeclinesBf16States) {
+  if (!cpu_available()) GTEST_SKIP() << "cpu backend not available";
+  Case c = make_case(1, 100, 1, 16, 16, 43);
+  const Inputs in = make_inputs(c);
+  HostTensor h(GLA_DTYPE_BF16, {chunk_count(in), c.H, c.K, c.V});
+  poison(h);
+  const std::vector<uint8_t> before = h.bytes;
+  for (const char* backend : {"cpu", static_cast<const char*>(nullptr)}) {
+    SCOPED_TRACE(backend ? backend : "default choice");
+    gla_options o = options_for(in, backend);
+    Outputs f;
+    gla_chunk_forward_args fa = forward_args(in, f);
+    EXPECT_EQ(gla_chunk_forward_saving_states(&fa, &h.t, &o), GLA_STATUS_NOT_SUPPORTED);
+    std::string msg = gla_last_error();
+    if (backend) {
+      EXPECT_NE(msg.find("does not write saved chunk states in bf16 (chunk_states)"), std::string::npos) << msg;
+    }
+    EXPECT_TRUE(all_nan(f.o));
+    EXPECT_TRUE(h.bytes == before) << "chunk_states written on a declined call";
+    Outputs g;
+    gla_chunk_backward_args ba = backward_args(in, g);
+    EXPECT_EQ(gla_chunk_backward_from_states(&ba, &h.t, &o), GLA_STATUS_NOT_SUPPORTED);
+    msg = gla_last_error();
+    if (backend) {
+      EXPECT_NE(msg.find("does not read saved chunk states in bf16 (chunk_states)"), std::string::npos) << msg;
+    }
+    for (const HostTensor* t : {&g.dq, &g.dk, &g.dv, &g.dg, &g.dh0}) EXPECT_TRUE(all_nan(*t)) << "gradient written";
   }
 }
 

@@ -174,11 +174,12 @@ cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, cons
                          cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   const int tiles = plan.key_tiles * plan.scan_value_groups;
-  if (p.N > 0) {
+  if (p.N > 0 && plan.scan_directions > 0) {
     const size_t scan_bytes = sizeof(ScanShared);
-    // Forward walks only when the reversed forward gives the state gradients.
+    // Forward walks unless the states are saved, reverse walks unless the reversed forward gives
+    // the state gradients.
     const dim3 grid(static_cast<unsigned>(p.N * plan.scan_segments), static_cast<unsigned>(p.H),
-                    (plan.state_grads_by_values ? 1 : 2) * tiles);
+                    plan.scan_directions * tiles);
     if (plan.scan_segment_chunks > 0) {
       if ((err = detail::allow_dynamic_shared_memory<state_scan_kernel<E, true>>(scan_bytes, detail::Carveout::kMaxShared)) != cudaSuccess) return err;
       state_scan_kernel<E, true><<<grid, kScanThreads, scan_bytes, stream>>>(p, plan, ws);
@@ -215,7 +216,10 @@ cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, cons
 }  // namespace backward
 
 cudaError_t launch_backward(const BackwardParams& p, const BackwardPlan& plan, void* workspace, cudaStream_t stream) {
-  const backward::Workspace ws = backward::workspace_views(plan, workspace);
+  backward::Workspace ws = backward::workspace_views(plan, workspace);
+  if (p.saved_states != nullptr) {  // read only (no forward walks run)
+    ws.states = const_cast<backward::StateElement*>(reinterpret_cast<const backward::StateElement*>(p.saved_states));
+  }
   backward::chunk_offsets_kernel<<<1, backward::kOffsetThreads, 0, stream>>>(p, ws.chunk_offsets);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;

@@ -64,6 +64,9 @@ struct BackwardParams {
   int32_t vector_gate;   // 1: a per-key gate with 16-byte aligned rows and K a multiple of 8
   int32_t vector_dv;     // 1: dv rows 16-byte aligned (with vector_loads: the reversed forward's cp.async path)
   int32_t vector_dqk;    // 1: dq and dk rows 16-byte aligned and K a multiple of 8 (16-byte stores)
+  // The forward's saved chunk-start states (gla_chunk_backward_from_states): bf16 [num_chunks, H, K,
+  // V], the layout of BackwardPlan::states; null: the forward walks recompute them.
+  const uint16_t* saved_states;
 };
 
 // Tile geometry the planner and the kernels share (chunk_backward_common.cuh uses these).
@@ -84,7 +87,7 @@ struct BackwardPlan {
   int32_t value_tiles = 0;  // ceil(V / 64)
   int32_t scan_value_groups = 0;  // ceil(V / 128): the state walks' value blocks
   size_t chunk_offsets = 0;  // int64 [N + 1]: first global chunk of each sequence
-  size_t states = 0;         // bf16 [num_chunks, H, K, V]: S_c, the state before chunk c
+  size_t states = 0;         // bf16 [num_chunks, H, K, V]: S_c, the state before chunk c (none with saved_states)
   size_t state_grads = 0;    // bf16 [num_chunks, H, K, V]: dS_{c+1}, dL/d(state after chunk c)
   size_t gate_partials = 0;  // fp32 [key_tiles, B * T, H]: per-head gate only, dg per key tile
   // The state walks' segment split (scan_segment_chunks 0: one CTA walks each whole sequence).
@@ -108,6 +111,11 @@ struct BackwardPlan {
   // the CTAs: one wave instead of two at B8 T4096 H16 D128).
   int32_t state_grads_by_values = 0;
   size_t reversed_final = 0;       // fp32 [N, H, K, V]: the reversed forward's final state (dh0 wanted)
+  // The state walks the grid holds: forward (the states; not with saved_states) and reverse (the
+  // state gradients; not with state_grads_by_values). The grid's z runs over the forward walks'
+  // tiles first; scan_reverse_only shifts it to the reverse ones.
+  int32_t scan_directions = 2;
+  int32_t scan_reverse_only = 0;
   size_t workspace_bytes = 0;
   size_t shared_bytes = 0;         // the most dynamic shared memory per block of the call's kernels
 };

@@ -5,7 +5,8 @@
 // keys, so a CTA owns one 64 x 64 (key tile, value tile) block of one (sequence, head) and walks the
 // sequence's chunks, storing the block before each chunk's update: S_c (forward) or dS_{c+1}
 // (reverse) for the gradient kernels, in bf16. With BackwardPlan::state_grads_by_values the grid
-// holds the forward walks only (the reversed forward stores the state gradients).
+// holds no reverse walks (the reversed forward stores the state gradients), with saved states no
+// forward walks.
 //
 // The block lives in fp32 registers as the transposed block Xᵀ [values x keys] in mma.sync C
 // fragments, warp w owning value rows 16w..16w+15: the forward's state update (chunk_tile_ops.cuh,
@@ -39,8 +40,9 @@ struct ScanShared {
   float column_part[kScanThreads / kTile][kTile];  // the gate cumsum's row-group sums
 };
 
-// grid: (N * scan_segments, H, 2 * key_tiles * scan_value_groups); z < key_tiles * scan_value_groups
-// walks forward. LOCAL: the local pass of a segment split.
+// grid: (N * scan_segments, H, scan_directions * key_tiles * scan_value_groups); z < key_tiles *
+// scan_value_groups walks forward (reverse with scan_reverse_only). LOCAL: the local pass of a
+// segment split.
 template <typename E, bool LOCAL>
 __global__ void __launch_bounds__(kScanThreads, 2) state_scan_kernel(BackwardParams p, BackwardPlan plan,
                                                                   Workspace ws) {
@@ -52,8 +54,9 @@ __global__ void __launch_bounds__(kScanThreads, 2) state_scan_kernel(BackwardPar
   const int64_t segments = plan.scan_segments, n = blockIdx.x / segments, m = blockIdx.x % segments;
   const int64_t h = blockIdx.y;
   const int tiles = plan.key_tiles * plan.scan_value_groups;  // blocks per direction
-  const bool reverse = static_cast<int>(blockIdx.z) >= tiles;
-  const int tile = static_cast<int>(blockIdx.z) % tiles;
+  const int z = static_cast<int>(blockIdx.z) + (plan.scan_reverse_only ? tiles : 0);  // direction, tile
+  const bool reverse = z >= tiles;
+  const int tile = z % tiles;
   const int64_t k0 = int64_t(tile / plan.scan_value_groups) * kTile;
   const int64_t v0 = int64_t(tile % plan.scan_value_groups) * kScanValues;
   const int64_t kv = p.K - k0 < kTile ? p.K - k0 : kTile, vv = p.V - v0 < kScanValues ? p.V - v0 : kScanValues;
@@ -67,7 +70,7 @@ __global__ void __launch_bounds__(kScanThreads, 2) state_scan_kernel(BackwardPar
   if (m >= own_segments || (LOCAL && m == own_segments - 1)) return;
   const int64_t step0 = m * seg, step1 = step0 + seg < chunks ? step0 + seg : chunks;
   // The segment's local end block and decay: [(n * segments + m) * H + h][z][64 x 128 | 64].
-  const int64_t local_index = ((n * segments + m) * p.H + h) * (2 * tiles) + blockIdx.z;
+  const int64_t local_index = ((n * segments + m) * p.H + h) * (2 * tiles) + z;
 
   // The walk's starting block: initial_state forward, dht in reverse (zeros when absent).
   const float* start = reverse ? p.dht : p.initial_state;

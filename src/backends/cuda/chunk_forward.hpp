@@ -51,8 +51,8 @@ struct ForwardParams {
   // Chunk-start states for the backward (null: none stored): before each chunk's update the chunk
   // kernels store the state block, rounded to bf16, at chunk_states + P * chunk_states_stride[0]
   // + c * chunk_states_stride[1] + h * chunk_states_stride[2] + key * chunk_states_stride[3] + value,
-  // c the chunk within its sequence and P = (batch * T + bos) / 64 its sequence's first chunk (the
-  // caller keeps T, or with varlen every sequence start, a multiple of 64). Strides in elements,
+  // c the chunk within its sequence and P its sequence's first chunk: batch * ceil(T / 64), or with
+  // varlen bos / 64 (the caller keeps every sequence start a multiple of 64). Strides in elements,
   // negative ones allowed: the backward's reversed forward stores its chunks in the original order.
   // The recurrent kernel does not store them (the planner's callers check plan.kernel).
   uint16_t* chunk_states;

@@ -158,7 +158,8 @@ template <int DK>
 __device__ __forceinline__ void store_chunk_state(const float (&S)[DK / 8][4], const ForwardParams& p, int64_t batch,
                                                   int64_t bos, int64_t c, int64_t h, int64_t v0, int vrow, int lane) {
   const int64_t* st = p.chunk_states_stride;
-  uint16_t* dst = p.chunk_states + ((batch * p.T + bos) / kChunk) * st[0] + c * st[1] + h * st[2] + v0;
+  const int64_t first = p.varlen ? bos / kChunk : batch * ((p.T + kChunk - 1) / kChunk);
+  uint16_t* dst = p.chunk_states + first * st[0] + c * st[1] + h * st[2] + v0;
   for_each_state_entry<DK>(vrow, lane, [&](int j, int e, int vv, int kk) {
     if (kk < p.K && v0 + vv < p.V) dst[kk * st[3] + vv] = Elem<__nv_bfloat16>::from_float(S[j][e]);
   });

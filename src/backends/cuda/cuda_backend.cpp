@@ -165,6 +165,13 @@ cuda::ForwardParams make_params(const gla_problem& p) {
   const bool vec = p.K % 8 == 0 && p.V % 8 == 0 && rows_in_16_byte_pieces({&p.q, &p.k, &p.v, &p.o}) &&
                    (p.gate_per_head || rows_in_16_byte_pieces({&p.g}));
   f.vector_loads = vec ? 1 : 0;
+  if (present(p.h)) {  // bf16 [NC, H, K, V], chunk-major (check_more declines the rest)
+    f.chunk_states = static_cast<uint16_t*>(p.h.data);
+    f.chunk_states_stride[0] = p.H * p.K * p.V;
+    f.chunk_states_stride[1] = p.H * p.K * p.V;
+    f.chunk_states_stride[2] = p.K * p.V;
+    f.chunk_states_stride[3] = p.V;
+  }
   return f;
 }
 
@@ -218,6 +225,7 @@ cuda::BackwardParams make_backward_params(const gla_problem& p) {
   b.vector_gate = !p.gate_per_head && p.K % 8 == 0 && rows_in_16_byte_pieces({&p.g}) ? 1 : 0;
   b.vector_dv = rows_in_16_byte_pieces({&p.dv}) ? 1 : 0;
   b.vector_dqk = p.K % 8 == 0 && rows_in_16_byte_pieces({&p.dq, &p.dk}) ? 1 : 0;
+  b.saved_states = present(p.h) ? static_cast<const uint16_t*>(p.h.data) : nullptr;
   return b;
 }
 
@@ -263,7 +271,7 @@ cuda::BackwardPlan backward_plan(const cuda::BackwardParams& b, const gla_proble
   // Which inputs and outputs are present, and whether do feeds the reversed forward (scale != 0).
   const int32_t present_mask = (b.dq != nullptr) | (b.dk != nullptr) << 1 | (b.dv != nullptr) << 2 |
                                (b.dg != nullptr) << 3 | (b.dh0 != nullptr) << 4 | (b.dht != nullptr) << 5 |
-                               (b.do_ != nullptr) << 6 | (b.scale != 0.0f) << 7;
+                               (b.do_ != nullptr) << 6 | (b.scale != 0.0f) << 7 | (b.saved_states != nullptr) << 8;
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t, int32_t,
                          int32_t, int32_t, int32_t, int32_t, uint64_t>;
   const Key key{p.device_index, b.B,           b.N,           b.H,          b.K,         b.V,
@@ -310,7 +318,7 @@ class CudaBackend final : public Backend {
   // 128-wide key halves past 128), any V; the backward: 16-bit q, k, v (tensor-core operands), K and
   // V up to 512; the recurrent forward and backward: K up to kRecurrentMaxK (the state tile in
   // registers), the backward without the state pool (a serving step has no gradient). Rows
-  // at stride 1 (vector loads); no saved chunk states; no atomics anywhere, so deterministic.
+  // at stride 1 (vector loads); saved chunk states in bf16; no atomics anywhere, so deterministic.
   const std::vector<gla_capability>& capabilities() const override {
     static const std::vector<gla_capability> records = [] {
       const uint32_t chunk_features = GLA_FEATURE_VARLEN | GLA_FEATURE_INITIAL_STATE | GLA_FEATURE_FINAL_STATE |
@@ -318,7 +326,8 @@ class CudaBackend final : public Backend {
       gla_capability forward = open_capability(unit_bit(GLA_UNIT_CHUNK_FWD), device_bit(GLA_DEVICE_CUDA));
       forward.min_compute_capability = 80;
       forward.k_max = 512;
-      forward.features = chunk_features;
+      // Saved chunk states in bf16 (16-bit inputs, no cu_seqlens in the forward: check_more).
+      forward.features = chunk_features | GLA_FEATURE_CHUNK_STATES_BF16;
       forward.layout = GLA_LAYOUT_LAST_DIM_CONTIGUOUS;
       forward.deterministic = 1;
       gla_capability backward = forward;
@@ -328,7 +337,7 @@ class CudaBackend final : public Backend {
       gla_capability recurrent = forward;
       recurrent.unit_mask = unit_bit(GLA_UNIT_RECURRENT_FWD);
       recurrent.k_max = cuda::kRecurrentMaxK;
-      recurrent.features = GLA_FEATURE_ALL & ~(GLA_FEATURE_CHUNK_STATES | GLA_FEATURE_PER_HEAD_GATE);
+      recurrent.features = GLA_FEATURE_ALL & ~(GLA_FEATURE_CHUNK_STATES | GLA_FEATURE_CHUNK_STATES_BF16 | GLA_FEATURE_PER_HEAD_GATE);
       gla_capability recurrent_backward = recurrent;
       recurrent_backward.unit_mask = unit_bit(GLA_UNIT_RECURRENT_BWD);
       recurrent_backward.features &= ~(GLA_FEATURE_STATE_POOL | GLA_FEATURE_TOKEN_STATES);
@@ -355,6 +364,14 @@ class CudaBackend final : public Backend {
       return why;
     }
     if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) why.push_back("cu_seqlens must be in CUDA device memory");
+    if (present(p.h)) {
+      // The chunk kernels store the states (16-bit inputs, K <= 256: not the recurrent kernel), at
+      // slots they find from the batch row (the C API's slots are per sequence, which with
+      // cu_seqlens needs the chunk offsets the forward kernels do not have).
+      if (p.dtype != GLA_DTYPE_BF16 && p.dtype != GLA_DTYPE_F16) why.push_back("saved chunk states need 16-bit q, k, v");
+      if (!p.backward && p.K > 256) why.push_back("saved chunk states need K <= 256 (the chunk kernels)");
+      if (!p.backward && p.varlen) why.push_back("saves chunk states only without cu_seqlens");
+    }
     if (p.backward) {
       if (p.H > 65535) why.push_back("H > 65535 (grid limit)");
       // dv runs the forward's kernels (the forward's grid limits apply).
@@ -397,9 +414,12 @@ class CudaBackend final : public Backend {
     if (recurrent(p)) return cuda::recurrent_plan_note(p);
     if (p.backward) {
       const cuda::BackwardPlan plan = backward_plan(p);
-      std::string s =
-          "chunk backward: state walks per (sequence, head, block of 64 keys x 128 values), then dq/dk/dg per "
-          "(chunk, head, key tile of 64) on tensor cores; " +
+      const char* walks = plan.scan_directions == 0 ? "no state walks (saved chunk states; state gradients by the reversed forward)"
+                          : plan.scan_reverse_only ? "reverse state walks per (sequence, head, block of 64 keys x 128 values; saved chunk states)"
+                          : plan.scan_directions == 1 ? "forward state walks per (sequence, head, block of 64 keys x 128 values)"
+                                                      : "state walks per (sequence, head, block of 64 keys x 128 values)";
+      std::string s = "chunk backward: " + std::string(walks) +
+                      ", then dq/dk/dg per (chunk, head, key tile of 64) on tensor cores; " +
           std::to_string(plan.key_tiles) + " key tile(s), " + std::to_string(plan.workspace_bytes) +
           " workspace bytes (bf16 chunk states and state gradients, the reversed gate)";
       if (present(p.dv)) s += "; dv by the forward run in reverse time: " + std::string(cuda::kernel_name(plan.values.kernel).description);

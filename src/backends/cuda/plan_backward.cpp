@@ -106,12 +106,15 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
     const ForwardPlan values = plan_forward(backward::reversed_forward(p, plan, nullptr), reversed_offsets.data(), sm_count);
     plan.state_grads_by_values = is_chunk(values.kernel) ? 1 : 0;
   }
+  const bool forward_walks = p.saved_states == nullptr, reverse_walks = !plan.state_grads_by_values;
+  plan.scan_directions = int32_t(forward_walks) + int32_t(reverse_walks);
+  plan.scan_reverse_only = !forward_walks && reverse_walks ? 1 : 0;
   const size_t state_bytes = static_cast<size_t>(p.num_chunks) * p.H * p.K * p.V * backward::kStateBytes;
   size_t at = 0;
   plan.chunk_offsets = at;
   at = align256(at + static_cast<size_t>(p.N + 1) * sizeof(int64_t));
   plan.states = at;
-  at = align256(at + state_bytes);
+  if (forward_walks) at = align256(at + state_bytes);
   plan.state_grads = at;
   at = align256(at + state_bytes);
   if (p.gate_per_head && plan.key_tiles > 1) {
@@ -133,7 +136,7 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
     // (the split then aims at about one wave).
     const int64_t walks = p.N * p.H * 2 * plan.key_tiles * plan.scan_value_groups;
     const int64_t slots = int64_t(sm_count > 0 ? sm_count : 1) * 2;
-    if (walks > 0 && walks < slots && max_chunks >= 16) {
+    if (plan.scan_directions > 0 && walks > 0 && walks < slots && max_chunks >= 16) {
       const int64_t want = (2 * slots + walks - 1) / walks;
       int64_t seg = (max_chunks + want - 1) / want;
       seg = seg < 8 ? 8 : seg;

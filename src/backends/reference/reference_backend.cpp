@@ -175,7 +175,7 @@ class ReferenceBackend final : public Backend {
       gla_capability c = open_capability(unit_bit(GLA_UNIT_CHUNK_FWD) | unit_bit(GLA_UNIT_CHUNK_BWD) | kStageUnits |
                                              unit_bit(GLA_UNIT_RECURRENT_FWD) | unit_bit(GLA_UNIT_RECURRENT_BWD),
                                          device_bit(GLA_DEVICE_CPU) | device_bit(GLA_DEVICE_CUDA_HOST));
-      c.features = GLA_FEATURE_ALL & ~GLA_FEATURE_CHUNK_STATES;
+      c.features = GLA_FEATURE_ALL & ~(GLA_FEATURE_CHUNK_STATES | GLA_FEATURE_CHUNK_STATES_BF16);
       c.deterministic = 1;
       return std::vector<gla_capability>{c};
     }();
