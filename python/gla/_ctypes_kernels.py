@@ -52,8 +52,40 @@ def _run(entry, size_entry, args, opts, device, tensors) -> None:
             _lib.raise_for(entry(ctypes.byref(args), ctypes.byref(opts)))  # workspace stays alive until here
 
 
+def _may_save_states(q, cu_seqlens) -> bool:
+    """Where a backend may save chunk states (the cuda backend's conditions, as gla/csrc/chunk_ops.cpp)."""
+    return (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and cu_seqlens is None
+            and q.dim() == 4 and q.shape[3] <= 256)
+
+
+def _run_with_states(entry, size_entry, args, states, opts, device, tensors) -> bool:
+    """_run for a saved-states entry point; False (nothing written) where the backend declined. The
+    plain call's workspace size bounds the saved-states call's (the same plan, or fewer buffers)."""
+    with _tensors.handed_over(*tensors, states):
+        size = ctypes.c_size_t(0)
+        _lib.raise_for(size_entry(ctypes.byref(args), ctypes.byref(opts), ctypes.byref(size)))
+        workspace = None
+        if size.value:
+            workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
+            opts.workspace, opts.workspace_bytes = workspace.data_ptr(), size.value
+        with _tensors.handed_over(workspace):
+            status = entry(ctypes.byref(args), ctypes.pointer(_tensors.describe("chunk_states", states)),
+                           ctypes.byref(opts))
+        if status == _lib.NOT_SUPPORTED:
+            opts.workspace, opts.workspace_bytes = None, 0
+            return False
+        _lib.raise_for(status)
+        return True
+
+
+def chunk_fwd_saving_states(q, k, v, g, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None, scale=None,
+                            state_v_first=False, output_final_state=False, backend="", policy=0, check_inputs=False):
+    return chunk_fwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
+                     backend, policy, check_inputs, save_states=True)
+
+
 def chunk_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None, scale=None, state_v_first=False,
-              output_final_state=False, backend="", policy=0, check_inputs=False):
+              output_final_state=False, backend="", policy=0, check_inputs=False, save_states=False):
     lib = _lib.library()
     scale = _ops.default_scale(q, scale)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -65,12 +97,21 @@ def chunk_fwd(q, k, v, g, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=No
     args = _lib.ForwardArgs(*(_ptr(_tensors.describe(n, t)) for n, t in named))
     opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_stream(q.device),
                              check_inputs=check_inputs)
-    _run(lib.gla_chunk_forward, lib.gla_chunk_forward_workspace_size, args, opts, q.device, [t for _, t in named])
+    tensors = [t for _, t in named]
+    if save_states and _may_save_states(q, cu_seqlens):
+        states = torch.empty((q.shape[0] * -(-q.shape[1] // 64), q.shape[2], q.shape[3], v.shape[3]),
+                             dtype=torch.bfloat16, device=q.device)
+        if _run_with_states(lib.gla_chunk_forward_saving_states, lib.gla_chunk_forward_workspace_size, args, states,
+                            opts, q.device, tensors):
+            return o, (final if final is not None else _empty_state(q)), states
+    _run(lib.gla_chunk_forward, lib.gla_chunk_forward_workspace_size, args, opts, q.device, tensors)
+    if save_states:
+        return o, (final if final is not None else _empty_state(q)), _empty_state(q)
     return o, (final if final is not None else _empty_state(q))
 
 
 def chunk_bwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale, state_v_first, backend,
-              policy, check_inputs=False):
+              policy, check_inputs=False, chunk_states=None):
     lib = _lib.library()
     dq, dk, dv, dg = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g))
     dh0 = (torch.empty(initial_state.shape, dtype=torch.float32, device=initial_state.device)
@@ -82,5 +123,9 @@ def chunk_bwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, sc
     args = _lib.BackwardArgs(*(_ptr(_tensors.describe(n, t)) for n, t in named))
     opts = _lib.make_options(scale, state_v_first, backend, policy, stream=_stream(q.device),
                              check_inputs=check_inputs)
-    _run(lib.gla_chunk_backward, lib.gla_chunk_backward_workspace_size, args, opts, q.device, [t for _, t in named])
+    tensors = [t for _, t in named]
+    if chunk_states is None or chunk_states.numel() == 0 or not _run_with_states(
+            lib.gla_chunk_backward_from_states, lib.gla_chunk_backward_workspace_size, args, chunk_states, opts,
+            q.device, tensors):
+        _run(lib.gla_chunk_backward, lib.gla_chunk_backward_workspace_size, args, opts, q.device, tensors)
     return dq, dk, dv, dg, (dh0 if dh0 is not None else _empty_state(q))

@@ -159,6 +159,8 @@ def _declare(lib):
         "gla_chunk_backward": (c.c_int, [c.POINTER(BackwardArgs), c.POINTER(Options)]),
         "gla_chunk_forward_workspace_size": (c.c_int, [c.POINTER(ForwardArgs), c.POINTER(Options), c.POINTER(c.c_size_t)]),
         "gla_chunk_backward_workspace_size": (c.c_int, [c.POINTER(BackwardArgs), c.POINTER(Options), c.POINTER(c.c_size_t)]),
+        "gla_chunk_forward_saving_states": (c.c_int, [c.POINTER(ForwardArgs), c.POINTER(Tensor), c.POINTER(Options)]),
+        "gla_chunk_backward_from_states": (c.c_int, [c.POINTER(BackwardArgs), c.POINTER(Tensor), c.POINTER(Options)]),
         "gla_unit_name": (c.c_char_p, [c.c_int32]),
         "gla_backend_count": (c.c_int32, []),
         "gla_backend_info": (c.c_int, [c.c_int32, c.POINTER(c.c_char_p), c.POINTER(c.c_int32), c.POINTER(c.c_int32),

@@ -47,16 +47,20 @@ def current_policy() -> int:
 # The schemas; libgla_torch defines the same strings (gla/csrc/chunk_ops.cpp). chunk_fwd_no_autograd
 # is chunk_fwd without an autograd formula, for the eager routes that build no graph (a call of it
 # needs no below-autograd guard: ~9k instructions, ~1.5 us per call).
+# chunk_fwd_saving_states (eager only, no autograd kernel: _ChunkFwd's forward) is chunk_fwd that
+# also returns the chunk states it saved for the backward (bf16, gla.h's layout; numel 0 where none
+# were saved), which chunk_bwd then reads (chunk_states) instead of recomputing them.
 _CHUNK_FWD_ARGUMENTS = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state=None, Tensor? cu_seqlens=None, "
                         "Tensor? cu_seqlens_cpu=None, float? scale=None, bool state_v_first=False, "
-                        "bool output_final_state=False, str backend=\"\", int policy=0, bool check_inputs=False) "
-                        "-> (Tensor, Tensor)")
+                        "bool output_final_state=False, str backend=\"\", int policy=0, bool check_inputs=False)")
 SCHEMAS = {
-    "chunk_fwd": "chunk_fwd" + _CHUNK_FWD_ARGUMENTS,
-    "chunk_fwd_no_autograd": "chunk_fwd_no_autograd" + _CHUNK_FWD_ARGUMENTS,
+    "chunk_fwd": "chunk_fwd" + _CHUNK_FWD_ARGUMENTS + " -> (Tensor, Tensor)",
+    "chunk_fwd_no_autograd": "chunk_fwd_no_autograd" + _CHUNK_FWD_ARGUMENTS + " -> (Tensor, Tensor)",
+    "chunk_fwd_saving_states": "chunk_fwd_saving_states" + _CHUNK_FWD_ARGUMENTS + " -> (Tensor, Tensor, Tensor)",
     "chunk_bwd": "chunk_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
                  "Tensor? cu_seqlens_cpu, Tensor? do, Tensor? dht, float scale, bool state_v_first, str backend, "
-                 "int policy, bool check_inputs=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+                 "int policy, bool check_inputs=False, Tensor? chunk_states=None) "
+                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 }
 # Devices whose kernels are the Python ones even when libgla_torch is loaded.
 _PYTHON_KERNEL_KEYS = ("MPS", "XPU", "PrivateUse1")
@@ -105,10 +109,12 @@ def _register_operators() -> None:
     # autograd-not-implemented fallback (~5k instructions per call). Its callers build the graph
     # themselves (_ChunkFwd) or need none.
     _library.impl("chunk_fwd_no_autograd", torch.library.fallthrough_kernel, "Autograd")
+    _library.impl("chunk_fwd_saving_states", torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake("gla::chunk_bwd", _chunk_bwd_fake, lib=_library)
     torch.library.register_autograd("gla::chunk_fwd", _backward, setup_context=_setup_context, lib=_library)
-    global _chunk_fwd_op, _chunk_bwd_op
+    global _chunk_fwd_op, _chunk_fwd_saving_op, _chunk_bwd_op
     _chunk_fwd_op, _chunk_bwd_op = eager_entry("chunk_fwd_no_autograd"), eager_entry("chunk_bwd")
+    _chunk_fwd_saving_op = eager_entry("chunk_fwd_saving_states")
     from . import _recurrent
     _recurrent.register_operators(_library, native_path is not None)
 
@@ -129,8 +135,8 @@ def eager_entry(name: str):
 
 
 # Set by _register_operators: the eager entries of chunk_fwd_no_autograd (the forward of the eager
-# routes, which build their graph themselves or none) and of chunk_bwd.
-_chunk_fwd_op = _chunk_bwd_op = None
+# routes, which build their graph themselves or none), chunk_fwd_saving_states and chunk_bwd.
+_chunk_fwd_op = _chunk_fwd_saving_op = _chunk_bwd_op = None
 
 
 # ---- shapes shared by the fake kernels and the Python kernels ----
@@ -170,7 +176,7 @@ def _chunk_fwd_fake(q, k, v, g, initial_state=None, cu_seqlens=None, cu_seqlens_
 
 
 def _chunk_bwd_fake(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale, state_v_first,
-                    backend, policy, check_inputs=False):
+                    backend, policy, check_inputs=False, chunk_states=None):
     _validate.reject_meta_mixed_with_data((("q", q), ("k", k), ("v", v), ("g", g), ("initial_state", initial_state),
                                            ("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu), ("do", do),
                                            ("dht", dht)))
@@ -192,11 +198,12 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 _FWD_DEFAULTS = (False, False, "", 0, False)
 
 
-def _save(ctx, q, k, v, g, initial_state, rest):
+def _save(ctx, q, k, v, g, initial_state, rest, chunk_states=None):
     """rest: (cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state, backend, policy,
     check_inputs), or its first three when the others are the defaults; its tensors are saved as
-    tensors (torch.compile traces them), the rest kept on ctx."""
-    ctx.save_for_backward(q, k, v, g, initial_state, rest[0], rest[1])
+    tensors (torch.compile traces them), the rest kept on ctx. chunk_states: what
+    chunk_fwd_saving_states saved (None or numel 0: the backward recomputes the states)."""
+    ctx.save_for_backward(q, k, v, g, initial_state, rest[0], rest[1], chunk_states)
     ctx.rest = rest[2:] + _FWD_DEFAULTS[len(rest) - 3:]
 
 
@@ -209,15 +216,19 @@ def unit_stride_rows(x):
 
 def _gradients(ctx, do, dht, chunk_bwd):
     """(dq, dk, dv, dg, dh0 or None) of the forward saved in ctx; chunk_bwd: the op or its eager entry."""
-    q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_states = ctx.saved_tensors
     scale, state_v_first, _, backend, policy, check_inputs = ctx.rest
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
     do, dht = unit_stride_rows(do), unit_stride_rows(dht)
     try:
         with _below_autograd():
-            dq, dk, dv, dg, dh0 = chunk_bwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale,
-                                            state_v_first, backend, policy, check_inputs)
+            if chunk_states is None:
+                dq, dk, dv, dg, dh0 = chunk_bwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale,
+                                                state_v_first, backend, policy, check_inputs)
+            else:
+                dq, dk, dv, dg, dh0 = chunk_bwd(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale,
+                                                state_v_first, backend, policy, check_inputs, chunk_states)
     except RuntimeError as e:
         raise _lib.python_error(e) from None
     return dq, dk, dv, dg, (dh0 if initial_state is not None else None)
@@ -239,6 +250,12 @@ class _ChunkFwd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, rest):
+        if q.is_cuda and rest[0] is None and q.dtype in _SAVED_STATE_DTYPES:
+            # The cuda backend saves the chunk states for the backward (bf16; the backward then
+            # skips recomputing them): B8 T4096 H16 D128 fwd+bwd TODO ms -> TODO ms, 256 MiB saved.
+            o, final, chunk_states = _chunk_fwd_saving_op(q, k, v, g, initial_state, *rest)
+            _save(ctx, q, k, v, g, initial_state, rest, chunk_states if chunk_states.numel() else None)
+            return o, final
         out = _chunk_fwd_op(q, k, v, g, initial_state, *rest)
         _save(ctx, q, k, v, g, initial_state, rest)
         return out
@@ -246,6 +263,9 @@ class _ChunkFwd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         return _gradients(ctx, do, dht, _chunk_bwd_op) + (None,)
+
+
+_SAVED_STATE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # autograd.Function.apply's C part. The Python classmethod in front of it binds default arguments

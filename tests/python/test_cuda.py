@@ -109,13 +109,14 @@ def test_cuda_mixed_devices_are_rejected():
         gla.chunk_gla(x["q"], x["k"].cpu(), x["v"], x["g"])
 
 
-def _capture_and_replay(backend, dtype=torch.float32):
-    cu = [0, 100, 100, 333]
-    base = make_inputs(B=1, T=333, H=2, K=64, cu_seqlens=cu, seed=1, dtype=dtype)
+def _capture_and_replay(backend, dtype=torch.float32, cu=(0, 100, 100, 333)):
+    """cu None: B2 T333 without cu_seqlens (where the cuda backend saves chunk states)."""
+    shape = dict(B=1, T=333, H=2, K=64, cu_seqlens=list(cu)) if cu else dict(B=2, T=333, H=2, K=64)
+    base = make_inputs(**shape, seed=1, dtype=dtype)
     x = _to(base, "cuda")
     static = {n: x[n].clone() for n in ("q", "k", "v", "g", "initial_state", "do", "dht")}
     leaves = [static[n].requires_grad_() for n in ("q", "k", "v", "g", "initial_state")]
-    cu_cpu = torch.tensor(cu)
+    cu_cpu = torch.tensor(cu) if cu else None
 
     def step():
         o, ht = gla.chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True,
@@ -133,7 +134,7 @@ def _capture_and_replay(backend, dtype=torch.float32):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs = step()
-        fresh = _to(make_inputs(B=1, T=333, H=2, K=64, cu_seqlens=cu, seed=2, dtype=dtype), "cuda")
+        fresh = _to(make_inputs(**shape, seed=2, dtype=dtype), "cuda")
         with torch.no_grad():
             for n in ("q", "k", "v", "g", "initial_state", "do", "dht"):
                 static[n].copy_(fresh[n])
@@ -163,6 +164,69 @@ def test_cuda_graph_capture_cuda_backend(dtype):
         start = next(i for i, line in enumerate(lines) if line.startswith("backend 'cuda'"))
         pytest.skip("the cuda backend declines this forward: " + lines[start + 1].strip())
     _capture_and_replay(None, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_graph_capture_with_saved_chunk_states(dtype):
+    if "cuda" not in [b.name for b in gla.backends() if b.available]:
+        pytest.skip("no native cuda backend in this build of libgla")
+    _capture_and_replay(None, dtype, cu=None)
+
+
+def _has_cuda_backend():
+    return "cuda" in [b.name for b in gla.backends() if b.available]
+
+
+@pytest.mark.parametrize("T,K,V", [(300, 64, 128), (256, 128, 128), (192, 256, 512)])
+def test_cuda_saved_chunk_states(T, K, V):
+    """gla::chunk_fwd_saving_states saves bf16 chunk states [B * ceil(T / 64), H, K, V] (o bitwise
+    chunk_fwd's), chunk_bwd from them matches chunk_bwd without them and the reference, and
+    gla.chunk_gla's autograd keeps them for its backward."""
+    if not _has_cuda_backend():
+        pytest.skip("no native cuda backend in this build of libgla")
+    host = make_inputs(B=2, T=T, H=2, K=K, V=V, dtype=torch.bfloat16, seed=11)
+    ref = run_gla(host, backend="reference")
+    x = _to(host, "cuda")
+    args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], None, None, K ** -0.5, False, True)
+    o, ht, states = torch.ops.gla.chunk_fwd_saving_states(*args)
+    assert states.dtype == torch.bfloat16 and states.shape == (2 * -(-T // 64), 2, K, V)
+    assert torch.isfinite(states).all()
+    o_plain, ht_plain = torch.ops.gla.chunk_fwd(*args)
+    assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
+    bwd = args[:7] + (x["do"], x["dht"], K ** -0.5, False, "", 0, False)
+    from_states = torch.ops.gla.chunk_bwd(*bwd, states)
+    recomputed = torch.ops.gla.chunk_bwd(*bwd)
+    for name, a, b, want in zip(NAMES[2:], from_states, recomputed, ref[2:]):
+        assert rel(a.float(), b.float()) < 5e-3, f"{name}: from states vs recomputed {rel(a.float(), b.float()):.3e}"
+        assert rel(a.double().cpu(), want.double()) < 5e-3, f"{name}: vs reference {rel(a.double().cpu(), want.double()):.3e}"
+    # The autograd route saves them (a bf16 tensor of that shape among the saved tensors).
+    saved = []
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "initial_state")]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        o, ht = gla.chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True)
+    assert (torch.bfloat16, tuple(states.shape)) in saved, saved
+    grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
+    for name, a, want in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref[2:]):
+        assert rel(a.double().cpu(), want.double()) < 5e-3, f"autograd {name}: {rel(a.double().cpu(), want.double()):.3e}"
+
+
+def test_cuda_no_saved_chunk_states_where_the_backend_saves_none():
+    """Varlen, fp32 inputs and a backend without saved states (`torch`): no states (numel 0), the
+    same outputs as chunk_fwd."""
+    if not _has_cuda_backend():
+        pytest.skip("no native cuda backend in this build of libgla")
+    cu = [0, 64, 200]
+    for inputs, backend in ((make_inputs(B=1, T=200, H=2, K=64, cu_seqlens=cu, dtype=torch.bfloat16), ""),
+                            (make_inputs(B=2, T=200, H=2, K=64, dtype=torch.float32), ""),
+                            (make_inputs(B=2, T=200, H=2, K=64, dtype=torch.bfloat16), "torch")):
+        x = _to(inputs, "cuda")
+        cu_cpu = torch.tensor(cu) if x["cu_seqlens"] is not None else None
+        args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], x["cu_seqlens"], cu_cpu, 0.125, False, True,
+                backend, 0, False)
+        o, ht, states = torch.ops.gla.chunk_fwd_saving_states(*args)
+        assert states.numel() == 0
+        o_plain, ht_plain = torch.ops.gla.chunk_fwd(*args)
+        assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
 
 
 def test_cuda_opcheck():

@@ -214,6 +214,36 @@ def test_ctypes_fallback_warns_and_serves():
     run_with_ctypes_fallback(script)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: GPU tests need an NVIDIA GPU (run `pytest tests/python -m cuda` on one)")
+def test_cuda_ctypes_fallback_saves_chunk_states():
+    """The ctypes fallback's chunk_fwd_saving_states saves the cuda backend's bf16 chunk states as
+    the native kernel does, and chunk_bwd reads them: the same gradients as without them."""
+    script = textwrap.dedent("""
+        import warnings
+        warnings.simplefilter("ignore")
+        import gla, torch
+        from gla import _ops
+        from oracle import make_inputs, rel
+        assert _ops.native_path is None
+        if "cuda" not in [b.name for b in gla.backends() if b.available]:
+            print("fallback ok")
+            raise SystemExit
+        x = {n: t.cuda() if isinstance(t, torch.Tensor) else t
+             for n, t in make_inputs(B=2, T=300, H=2, K=64, V=128, dtype=torch.bfloat16, seed=4).items()}
+        args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], None, None, 0.125, False, True, "", 0, False)
+        o, ht, states = torch.ops.gla.chunk_fwd_saving_states(*args)
+        assert states.shape == (10, 2, 64, 128) and states.dtype == torch.bfloat16, states.shape
+        assert torch.equal(o, torch.ops.gla.chunk_fwd(*args)[0])
+        bwd = args[:7] + (x["do"], x["dht"], 0.125, False, "", 0, False)
+        for a, b in zip(torch.ops.gla.chunk_bwd(*bwd, states), torch.ops.gla.chunk_bwd(*bwd)):
+            assert rel(a.float(), b.float()) < 5e-3
+        print("fallback ok")
+    """)
+    run_with_ctypes_fallback(script)
+
+
 def run_with_ctypes_fallback(script: str) -> None:
     """Runs script in a child Python with GLA_NATIVE_OPS=0 (the same libgla); it must print
     "fallback ok"."""

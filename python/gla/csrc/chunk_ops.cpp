@@ -35,10 +35,21 @@ double default_scale(const Tensor& q) {
   return K > 0 ? std::pow(static_cast<double>(K), -0.5) : 1.0;
 }
 
-std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state,
-                                     std::optional<Tensor> cu_seqlens, std::optional<Tensor> cu_seqlens_cpu,
-                                     std::optional<double> scale, bool state_v_first, bool output_final_state,
-                                     std::string backend, int64_t policy, bool check_inputs) {
+// Saved chunk states (gla.h, gla_chunk_forward_saving_states) in bf16 [NC, H, K, V] where a backend
+// may save them: CUDA tensors, 16-bit q, no cu_seqlens, K <= 256 (the cuda backend's conditions;
+// anything else gets none, and the backward recomputes them).
+bool may_save_states(const gla_tensor& q, const std::optional<Tensor>& cu_seqlens) {
+  return q.device_type == GLA_DEVICE_CUDA && (q.dtype == GLA_DTYPE_BF16 || q.dtype == GLA_DTYPE_F16) &&
+         !cu_seqlens.has_value() && q.rank == 4 && q.sizes[3] <= 256;
+}
+
+// The forward, saving chunk states when save_states and may_save_states: (o, final state, states),
+// states numel 0 where none were saved (not asked, not possible, or the chosen backend declined).
+std::tuple<Tensor, Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state,
+                                           std::optional<Tensor> cu_seqlens, std::optional<Tensor> cu_seqlens_cpu,
+                                           std::optional<double> scale, bool state_v_first, bool output_final_state,
+                                           const std::string& backend, int64_t policy, bool check_inputs,
+                                           bool save_states) {
   gla_tensor dq = describe("q", q), dk = describe("k", k), dv = describe("v", v), dg = describe("g", g);
   gla_tensor dh0, dcu, dhost, dfinal;
   const std::optional<Tensor> host = host_offsets(cu_seqlens, cu_seqlens_cpu);
@@ -61,14 +72,39 @@ std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std
   gla_options options =
       make_options(scale.has_value() ? *scale : default_scale(q), state_v_first, backend, policy, q);
   options.check_inputs = check_inputs ? 1 : 0;
+  if (save_states && may_save_states(dq, cu_seqlens)) {
+    const int64_t sizes[4] = {dq.sizes[0] * ((dq.sizes[1] + 63) / 64), dq.sizes[2], dq.sizes[3], dv.rank == 4 ? dv.sizes[3] : 0};
+    Tensor states = empty(sizes, 4, bfloat16_dtype(), q);
+    const gla_tensor dstates = describe("chunk_states", states);
+    if (run_with_states(gla_chunk_forward_saving_states_with_allocator, args, dstates, options, q) == GLA_STATUS_OK) {
+      return {o, final.has_value() ? *final : empty_state(q), states};
+    }
+  }
   run(gla_chunk_forward_with_allocator, args, options, q);
-  return {o, final.has_value() ? *final : empty_state(q)};
+  return {o, final.has_value() ? *final : empty_state(q), empty_state(q)};
+}
+
+std::tuple<Tensor, Tensor> chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state,
+                                     std::optional<Tensor> cu_seqlens, std::optional<Tensor> cu_seqlens_cpu,
+                                     std::optional<double> scale, bool state_v_first, bool output_final_state,
+                                     std::string backend, int64_t policy, bool check_inputs) {
+  auto [o, final, states] = forward(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first,
+                                    output_final_state, backend, policy, check_inputs, false);
+  return {o, final};
+}
+
+std::tuple<Tensor, Tensor, Tensor> chunk_fwd_saving_states(
+    Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state, std::optional<Tensor> cu_seqlens,
+    std::optional<Tensor> cu_seqlens_cpu, std::optional<double> scale, bool state_v_first, bool output_final_state,
+    std::string backend, int64_t policy, bool check_inputs) {
+  return forward(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu, scale, state_v_first, output_final_state,
+                 backend, policy, check_inputs, true);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
     Tensor q, Tensor k, Tensor v, Tensor g, std::optional<Tensor> initial_state, std::optional<Tensor> cu_seqlens,
     std::optional<Tensor> cu_seqlens_cpu, std::optional<Tensor> do_, std::optional<Tensor> dht, double scale,
-    bool state_v_first, std::string backend, int64_t policy, bool check_inputs) {
+    bool state_v_first, std::string backend, int64_t policy, bool check_inputs, std::optional<Tensor> chunk_states) {
   gla_tensor tq = describe("q", q), tk = describe("k", k), tv = describe("v", v), tg = describe("g", g);
   gla_tensor th0, tcu, thost, tdo, tdht, tdh0;
   const std::optional<Tensor> host = host_offsets(cu_seqlens, cu_seqlens_cpu);
@@ -96,7 +132,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
                                      describe("dh0", dh0, tdh0)};
   gla_options options = make_options(scale, state_v_first, backend, policy, q);
   options.check_inputs = check_inputs ? 1 : 0;
-  run(gla_chunk_backward_with_allocator, args, options, q);
+  // The forward's saved states when it saved some (numel 0: none), else the backward recomputes them.
+  gla_tensor tstates;
+  const gla_tensor* states = chunk_states.has_value() && chunk_states->numel() > 0
+                                 ? describe("chunk_states", chunk_states, tstates) : nullptr;
+  if (states == nullptr ||
+      run_with_states(gla_chunk_backward_from_states_with_allocator, args, *states, options, q) != GLA_STATUS_OK) {
+    run(gla_chunk_backward_with_allocator, args, options, q);
+  }
   return {dq, dk, dv, dg, dh0.has_value() ? *dh0 : empty_state(q)};
 }
 
@@ -108,22 +151,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> chunk_bwd(
 // chunk_fwd_no_autograd is chunk_fwd without an autograd kernel: the eager route of a call that builds
 // no graph calls it directly, where chunk_fwd (whose autograd formula is registered from Python)
 // needs a below-autograd guard around it (~9k instructions, ~1.5 us per call).
+// chunk_fwd_saving_states (no autograd kernel either: _ChunkFwd's forward) also returns the saved
+// chunk states, numel 0 where none were saved; chunk_bwd reads them (chunk_states).
 #define GLA_CHUNK_FWD_ARGUMENTS                                                                   \
   "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state=None, Tensor? cu_seqlens=None, "  \
   "Tensor? cu_seqlens_cpu=None, float? scale=None, bool state_v_first=False, "                      \
-  "bool output_final_state=False, str backend=\"\", int policy=0, bool check_inputs=False) -> (Tensor, Tensor)"
+  "bool output_final_state=False, str backend=\"\", int policy=0, bool check_inputs=False)"
 STABLE_TORCH_LIBRARY_FRAGMENT(gla, m) {
-  m.def("chunk_fwd" GLA_CHUNK_FWD_ARGUMENTS);
-  m.def("chunk_fwd_no_autograd" GLA_CHUNK_FWD_ARGUMENTS);
+  m.def("chunk_fwd" GLA_CHUNK_FWD_ARGUMENTS " -> (Tensor, Tensor)");
+  m.def("chunk_fwd_no_autograd" GLA_CHUNK_FWD_ARGUMENTS " -> (Tensor, Tensor)");
+  m.def("chunk_fwd_saving_states" GLA_CHUNK_FWD_ARGUMENTS " -> (Tensor, Tensor, Tensor)");
   m.def(
       "chunk_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? initial_state, Tensor? cu_seqlens, "
       "Tensor? cu_seqlens_cpu, Tensor? do, Tensor? dht, float scale, bool state_v_first, str backend, "
-      "int policy, bool check_inputs=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int policy, bool check_inputs=False, Tensor? chunk_states=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(gla, CPU, m) {
   m.impl("chunk_fwd", TORCH_BOX(&gla_torch::chunk_fwd));
   m.impl("chunk_fwd_no_autograd", TORCH_BOX(&gla_torch::chunk_fwd));
+  m.impl("chunk_fwd_saving_states", TORCH_BOX(&gla_torch::chunk_fwd_saving_states));
   m.impl("chunk_bwd", TORCH_BOX(&gla_torch::chunk_bwd));
 }
 
@@ -132,5 +179,6 @@ STABLE_TORCH_LIBRARY_IMPL(gla, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(gla, CUDA, m) {
   m.impl("chunk_fwd", TORCH_BOX(&gla_torch::chunk_fwd));
   m.impl("chunk_fwd_no_autograd", TORCH_BOX(&gla_torch::chunk_fwd));
+  m.impl("chunk_fwd_saving_states", TORCH_BOX(&gla_torch::chunk_fwd_saving_states));
   m.impl("chunk_bwd", TORCH_BOX(&gla_torch::chunk_bwd));
 }

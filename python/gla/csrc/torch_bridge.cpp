@@ -122,6 +122,7 @@ const gla_tensor* describe(const char* name, const std::optional<Tensor>& t, gla
 }
 
 int32_t float32_dtype() { return codes().f32; }
+int32_t bfloat16_dtype() { return codes().bf16; }
 
 namespace {
 Tensor empty_on(const int64_t* sizes, int64_t rank, int32_t torch_dtype, int32_t device_type, int32_t device_index) {

@@ -33,6 +33,7 @@ Tensor empty(const int64_t* sizes, int64_t rank, int32_t torch_dtype, const Tens
 Tensor empty_like(const Tensor& like);
 Tensor empty_state(const Tensor& like);  // the placeholder for an absent optional output: fp32, numel 0
 int32_t float32_dtype();
+int32_t bfloat16_dtype();
 
 // The host copy of cu_seqlens handed to libgla: cu_seqlens_cpu when given; else, for device
 // cu_seqlens, a copy made here (a host synchronisation on the current stream). libgla validates the
@@ -76,6 +77,20 @@ void run(gla_status (*entry)(const Args*, const gla_options*, const gla_allocato
   const gla_status status = entry(&args, &options, &allocator);
   if (!workspace.error.empty()) throw std::runtime_error(workspace.error);
   check(status);
+}
+
+// run for the saved-states entry points (one more argument, the chunk states): returns
+// GLA_STATUS_NOT_SUPPORTED (nothing written) instead of throwing it, so that the caller can make
+// the plain call instead; throws for every other failure.
+template <class Args>
+gla_status run_with_states(gla_status (*entry)(const Args*, const gla_tensor*, const gla_options*, const gla_allocator*),
+                           const Args& args, const gla_tensor& states, const gla_options& options, const Tensor& like) {
+  Workspace workspace{like, std::nullopt, {}};
+  const gla_allocator allocator = workspace.allocator();
+  const gla_status status = entry(&args, &states, &options, &allocator);
+  if (!workspace.error.empty()) throw std::runtime_error(workspace.error);
+  if (status != GLA_STATUS_NOT_SUPPORTED) check(status);
+  return status;
 }
 
 }  // namespace gla_torch
