@@ -79,9 +79,11 @@ for step in "$@"; do
         echo "$tool $t rc $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOG/san_${tool}_$t.log")"
       done ;;
     ab) # gla.chunk_gla fwd and fwd+bwd, libgla alone: build-cuda against AB_BASE (a folder with a
-      # libgla.so and libgla_torch.so of the base commit), two interleaved rounds
+      # libgla.so and libgla_torch.so of the base commit, and its python/ when that differs), two
+      # interleaved rounds
       for r in 1 2; do for d in "$PWD/build-cuda" "${AB_BASE:?set AB_BASE}"; do echo "== $d"
-        PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 python3 bench/cuda/bench_training.py --no-fla
+        pkg=python; [ "$d" != "$PWD/build-cuda" ] && [ -d "$d/python" ] && pkg=$d/python
+        PYTHONPATH=$pkg GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 python3 bench/cuda/bench_training.py --no-fla
       done; done 2>&1 | tee "$LOG/ab.log" | grep -E "==|fwd\+bwd" ;;
     training) # the same-run table against fla (TRAINING_CASES: labels, default all), fla's autotune
       # choices seeded from bench/cuda/fla_autotune and the new ones collected in logs/fla_autotune
