@@ -19,6 +19,18 @@ OUT=${OUT:-/tmp/out}
 LOG="$OUT/logs"
 mkdir -p "$LOG"
 trap 'tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOG"' EXIT
+# fla's Triton autotune choices (bench/cuda/triton_autotune_cache.py): seeded from the committed
+# bench/cuda/fla_autotune before fla runs, and the new ones copied into logs/fla_autotune after
+# it, also when the step's timeout stopped it (commit them to skip fla's autotune next time).
+autotune_seed() {
+  export TRITON_CACHE_DIR=/tmp/tc TRITON_CACHE_AUTOTUNING=1
+  mkdir -p /tmp/tc && [ -d bench/cuda/fla_autotune ] && cp -rn bench/cuda/fla_autotune/. /tmp/tc/ 2>/dev/null || true
+}
+autotune_harvest() {
+  (cd /tmp/tc 2>/dev/null && find . -name "*.autotune.json" -exec cp --parents -n {} "$LOG/fla_autotune/" \; 2>/dev/null)
+  echo "autotune files in logs/fla_autotune: $(find "$LOG/fla_autotune" -name '*.autotune.json' | wc -l)"
+}
+mkdir -p "$LOG/fla_autotune"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOG/gpu.txt"
 for step in "$@"; do
   case "$step" in
@@ -92,13 +104,15 @@ for step in "$@"; do
       PYTHONPATH=/tmp/site:python GLA_LIBRARY=build-cuda/libgla.so LD_LIBRARY_PATH=build-cuda TRITON_CACHE_DIR=/tmp/tc \
         timeout ${TRAINING_TIMEOUT:-500} python3 bench/cuda/bench_training.py --fla-tune-ms 5,20 --cases "${TRAINING_CASES:-}" \
         --autotune-dir bench/cuda/fla_autotune --autotune-out "$LOG/fla_autotune" --json "$LOG/training.json" 2>&1 \
-        | tee "$LOG/training.log" | grep -v Warn ;;
+        | tee "$LOG/training.log" | grep -v Warn; autotune_harvest ;;
     dropin) # fla's GLAForCausalLM on fla's kernels and on libgla (bench/fla_model_dropin.py; carry
       # .whl-fla, the wheels of its docstring): DROPIN_CONFIGS (default 1024x8), DROPIN_ARGS extra flags
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl-fla/*.whl
-      PYTHONPATH=/tmp/site_fla:python LD_LIBRARY_PATH=build-cuda TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1 \
+      autotune_seed
+      PYTHONPATH=/tmp/site_fla:python LD_LIBRARY_PATH=build-cuda PYTHONUNBUFFERED=1 \
         timeout ${DROPIN_TIMEOUT:-500} python3 bench/fla_model_dropin.py --lib build-cuda/libgla.so --out "$LOG" \
-        --fla-tune-ms 5,20 --configs ${DROPIN_CONFIGS:-1024x8} ${DROPIN_ARGS:-} 2>&1 | tee "$LOG/dropin.log" | grep -v Warn ;;
+        --fla-tune-ms 5,20 --configs ${DROPIN_CONFIGS:-1024x8} ${DROPIN_ARGS:-} 2>&1 | tee "$LOG/dropin.log" | grep -v Warn
+      autotune_harvest ;;
     *) echo "unknown step $step" ;;
   esac
 done
