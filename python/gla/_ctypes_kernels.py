@@ -40,8 +40,11 @@ def _empty_state(q: Tensor) -> Tensor:
     return torch.empty(0, dtype=torch.float32, device=q.device)
 
 
-def _run(entry, size_entry, args, opts, device, tensors) -> None:
-    with _tensors.handed_over(*tensors):
+def _call(entry, size_entry, args, opts, device, tensors, states=None) -> int:
+    """entry(args[, states], opts) with the tensors handed over and a workspace of size_entry's size
+    from PyTorch's allocator; returns its status. The plain call's workspace size bounds the
+    saved-states call's (the same plan, or fewer buffers)."""
+    with _tensors.handed_over(*tensors, states):
         size = ctypes.c_size_t(0)
         _lib.raise_for(size_entry(ctypes.byref(args), ctypes.byref(opts), ctypes.byref(size)))
         workspace = None
@@ -49,7 +52,14 @@ def _run(entry, size_entry, args, opts, device, tensors) -> None:
             workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
             opts.workspace, opts.workspace_bytes = workspace.data_ptr(), size.value
         with _tensors.handed_over(workspace):  # stage buffers inside it resolve to views of it
-            _lib.raise_for(entry(ctypes.byref(args), ctypes.byref(opts)))  # workspace stays alive until here
+            if states is None:
+                return entry(ctypes.byref(args), ctypes.byref(opts))  # workspace stays alive until here
+            return entry(ctypes.byref(args), ctypes.pointer(_tensors.describe("chunk_states", states)),
+                         ctypes.byref(opts))
+
+
+def _run(entry, size_entry, args, opts, device, tensors) -> None:
+    _lib.raise_for(_call(entry, size_entry, args, opts, device, tensors))
 
 
 def _may_save_states(q, cu_seqlens) -> bool:
@@ -59,23 +69,13 @@ def _may_save_states(q, cu_seqlens) -> bool:
 
 
 def _run_with_states(entry, size_entry, args, states, opts, device, tensors) -> bool:
-    """_run for a saved-states entry point; False (nothing written) where the backend declined. The
-    plain call's workspace size bounds the saved-states call's (the same plan, or fewer buffers)."""
-    with _tensors.handed_over(*tensors, states):
-        size = ctypes.c_size_t(0)
-        _lib.raise_for(size_entry(ctypes.byref(args), ctypes.byref(opts), ctypes.byref(size)))
-        workspace = None
-        if size.value:
-            workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
-            opts.workspace, opts.workspace_bytes = workspace.data_ptr(), size.value
-        with _tensors.handed_over(workspace):
-            status = entry(ctypes.byref(args), ctypes.pointer(_tensors.describe("chunk_states", states)),
-                           ctypes.byref(opts))
-        if status == _lib.NOT_SUPPORTED:
-            opts.workspace, opts.workspace_bytes = None, 0
-            return False
-        _lib.raise_for(status)
-        return True
+    """_run for a saved-states entry point; False (nothing written) where the backend declined."""
+    status = _call(entry, size_entry, args, opts, device, tensors, states)
+    if status == _lib.NOT_SUPPORTED:
+        opts.workspace, opts.workspace_bytes = None, 0
+        return False
+    _lib.raise_for(status)
+    return True
 
 
 def chunk_fwd_saving_states(q, k, v, g, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None, scale=None,
