@@ -20,13 +20,6 @@ bool cpu_available() { return backend_available("cpu"); }
 
 constexpr int64_t kChunk = 64;
 
-int64_t chunk_count(const Inputs& in) {
-  const Case& c = in.c;
-  if (c.cu_seqlens.empty()) return c.B * ((c.T + kChunk - 1) / kChunk);
-  int64_t nc = 0;
-  for (size_t i = 0; i + 1 < c.cu_seqlens.size(); ++i) nc += (c.cu_seqlens[i + 1] - c.cu_seqlens[i] + kChunk - 1) / kChunk;
-  return nc;
-}
 
 gla_options options_for(const Inputs& in, const char* backend, bool pipeline = false) {
   gla_options o;
@@ -38,7 +31,7 @@ gla_options options_for(const Inputs& in, const char* backend, bool pipeline = f
 }
 
 HostTensor new_states(const Inputs& in) {
-  HostTensor h(GLA_DTYPE_F32, {chunk_count(in), in.c.H, in.c.K, in.c.V});
+  HostTensor h(GLA_DTYPE_F32, {saved_state_chunks(in), in.c.H, in.c.K, in.c.V});
   poison(h);
   return h;
 }
@@ -115,11 +108,11 @@ HostTensor stage_states(const Inputs& in, const char* backend) {
   gla_options o = options_for(in, spec.c_str(), true);
   g_captured.clear();
   g_captured_chunks = -1;
-  HostTensor h(GLA_DTYPE_F32, {chunk_count(in), in.c.H, in.c.K, in.c.V});
+  HostTensor h(GLA_DTYPE_F32, {saved_state_chunks(in), in.c.H, in.c.K, in.c.V});
   poison(h);
   const gla_status s = gla_chunk_forward(&a, &o);
   EXPECT_EQ(s, GLA_STATUS_OK) << gla_last_error();
-  EXPECT_EQ(g_captured_chunks, chunk_count(in));
+  EXPECT_EQ(g_captured_chunks, saved_state_chunks(in));
   if (s == GLA_STATUS_OK && static_cast<int64_t>(g_captured.size()) == h.size()) {
     std::memcpy(h.bytes.data(), g_captured.data(), g_captured.size() * 4);
   }
@@ -270,7 +263,7 @@ TEST(ChunkStates, BadStatesRejected) {
   Case c = make_case(1, 200, 2, 32, 16, 31);
   c.cu_seqlens = {0, 0, 1, 130, 200};  // NC = 0 + 1 + 3 + 2 = 6
   const Inputs in = make_inputs(c);
-  ASSERT_EQ(chunk_count(in), 6);
+  ASSERT_EQ(saved_state_chunks(in), 6);
   struct Bad {
     const char* what;
     HostTensor h;
@@ -370,7 +363,7 @@ TEST(ChunkStates, CpuDeclinesBf16States) {
   if (!cpu_available()) GTEST_SKIP() << "cpu backend not available";
   Case c = make_case(1, 100, 1, 16, 16, 43);
   const Inputs in = make_inputs(c);
-  HostTensor h(GLA_DTYPE_BF16, {chunk_count(in), c.H, c.K, c.V});
+  HostTensor h(GLA_DTYPE_BF16, {saved_state_chunks(in), c.H, c.K, c.V});
   poison(h);
   const std::vector<uint8_t> before = h.bytes;
   for (const char* backend : {"cpu", static_cast<const char*>(nullptr)}) {

@@ -24,16 +24,6 @@ namespace {
 
 #ifdef GLA_TESTS_WITH_CUDA
 
-constexpr int64_t kChunk = 64;
-
-int64_t chunk_count(const Inputs& in) {
-  const Case& c = in.c;
-  if (c.cu_seqlens.empty()) return c.B * ((c.T + kChunk - 1) / kChunk);
-  int64_t nc = 0;
-  for (size_t i = 0; i + 1 < c.cu_seqlens.size(); ++i) nc += (c.cu_seqlens[i + 1] - c.cu_seqlens[i] + kChunk - 1) / kChunk;
-  return nc;
-}
-
 gla_options options_for(const Inputs& in, const char* backend) {
   gla_options o;
   gla_options_init(&o);
@@ -72,7 +62,7 @@ ForwardRun cuda_forward(const Inputs& in, bool save, int32_t states_dtype = GLA_
   gla_chunk_forward_args host = forward_args(in, r.out);
   DeviceInputs d(in);
   auto o = device_copy(r.out.o, false), ht = device_copy(r.out.ht, false);
-  r.states = HostTensor(states_dtype, {chunk_count(in), in.c.H, in.c.K, in.c.V});
+  r.states = HostTensor(states_dtype, {saved_state_chunks(in), in.c.H, in.c.K, in.c.V});
   auto states = device_copy(r.states, false);
   gla_chunk_forward_args a{};
   a.q = &d.q->t;
@@ -139,7 +129,7 @@ BackwardRun cuda_backward_from(const Inputs& in, const HostTensor& states) {
 HostTensor cpu_states(const Inputs& in) {
   Outputs scratch;
   gla_chunk_forward_args a = forward_args(in, scratch);
-  HostTensor h(GLA_DTYPE_F32, {chunk_count(in), in.c.H, in.c.K, in.c.V});
+  HostTensor h(GLA_DTYPE_F32, {saved_state_chunks(in), in.c.H, in.c.K, in.c.V});
   poison(h);
   const gla_options o = options_for(in, "cpu");
   EXPECT_EQ(gla_chunk_forward_saving_states(&a, &h.t, &o), GLA_STATUS_OK) << gla_last_error();

@@ -163,6 +163,14 @@ gla_options make_options(const Inputs& in, const RunOptions& ro) {
 }
 }  // namespace
 
+int64_t saved_state_chunks(const Inputs& in) {
+  const Case& c = in.c;
+  if (c.cu_seqlens.empty()) return c.B * ((c.T + 63) / 64);
+  int64_t nc = 0;
+  for (size_t i = 0; i + 1 < c.cu_seqlens.size(); ++i) nc += (c.cu_seqlens[i + 1] - c.cu_seqlens[i] + 63) / 64;
+  return nc;
+}
+
 std::vector<int64_t> state_sizes(const Inputs& in) {
   const Case& c = in.c;
   return c.state_v_first ? std::vector<int64_t>{in.N, c.H, c.V, c.K} : std::vector<int64_t>{in.N, c.H, c.K, c.V};

@@ -82,6 +82,8 @@ struct RunOptions {
 // ht when the case has a final state; backward: dq, dk, dv, dg, dh0).
 gla_chunk_forward_args forward_args(const Inputs& in, Outputs& out);
 gla_chunk_backward_args backward_args(const Inputs& in, Outputs& out);
+// NC of saved chunk states (gla.h): the sum over sequences of ceil(T_n / 64).
+int64_t saved_state_chunks(const Inputs& in);
 // [N, H, K, V], or [N, H, V, K] with the case's state_v_first.
 std::vector<int64_t> state_sizes(const Inputs& in);
 // Whether the named backend is registered and available on this machine.

@@ -65,6 +65,18 @@ struct Workspace {
   gla_allocator allocator();
 };
 
+// call(&allocator) with the workspace allocator of one libgla call: the scratch memory from PyTorch's
+// allocator on like's device, owned until the call is over; a failed allocation's own error is
+// rethrown here. Returns call's status.
+template <class Call>
+gla_status call_with_workspace(const Tensor& like, Call&& call) {
+  Workspace workspace{like, std::nullopt, {}};
+  const gla_allocator allocator = workspace.allocator();
+  const gla_status status = call(&allocator);
+  if (!workspace.error.empty()) throw std::runtime_error(workspace.error);
+  return status;
+}
+
 // One libgla operation through its *_with_allocator entry point: validated and planned once, the
 // workspace allocated by PyTorch; throws (check) on failure. The chunked operators' kernels end
 // with this. (Asking gla_*_workspace_size first, then calling, validated and planned twice: the
@@ -72,11 +84,7 @@ struct Workspace {
 template <class Args>
 void run(gla_status (*entry)(const Args*, const gla_options*, const gla_allocator*), const Args& args,
          const gla_options& options, const Tensor& like) {
-  Workspace workspace{like, std::nullopt, {}};
-  const gla_allocator allocator = workspace.allocator();
-  const gla_status status = entry(&args, &options, &allocator);
-  if (!workspace.error.empty()) throw std::runtime_error(workspace.error);
-  check(status);
+  check(call_with_workspace(like, [&](const gla_allocator* allocator) { return entry(&args, &options, allocator); }));
 }
 
 // run for the saved-states entry points (one more argument, the chunk states): returns
@@ -85,10 +93,8 @@ void run(gla_status (*entry)(const Args*, const gla_options*, const gla_allocato
 template <class Args>
 gla_status run_with_states(gla_status (*entry)(const Args*, const gla_tensor*, const gla_options*, const gla_allocator*),
                            const Args& args, const gla_tensor& states, const gla_options& options, const Tensor& like) {
-  Workspace workspace{like, std::nullopt, {}};
-  const gla_allocator allocator = workspace.allocator();
-  const gla_status status = entry(&args, &states, &options, &allocator);
-  if (!workspace.error.empty()) throw std::runtime_error(workspace.error);
+  const gla_status status = call_with_workspace(
+      like, [&](const gla_allocator* allocator) { return entry(&args, &states, &options, allocator); });
   if (status != GLA_STATUS_NOT_SUPPORTED) check(status);
   return status;
 }
