@@ -143,6 +143,23 @@ def cpu_main(args):
         print(f"  ({load()})")
 
 
+def profile_cuda(fn, args, top=25):
+    """One call under torch.profiler: its wall time against the summed GPU kernel time (the gap is
+    launch and host time), the kernel count, and the kernels with the most GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn(*args)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu = sum(e.device_time for e in kernels) / 1e3
+    print(f"  profile: wall {wall:.2f} ms, GPU kernel time {gpu:.2f} ms in {len(kernels)} kernels")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60))
+
+
 def cuda_main(args):
     try:
         import fla  # noqa: F401
@@ -167,6 +184,8 @@ def cuda_main(args):
         mem = extra_peak_cuda(fn, x)
         ratio = f"  {mem / ref_mem:5.2f}x" if ref_mem else ""
         print(f"  {'torch backend extra peak':<28} {mem / 2**30:9.2f} GiB{ratio}")
+        if args.profile:
+            profile_cuda(fn, x)
         del x
         torch.cuda.empty_cache()
 
@@ -176,6 +195,8 @@ def main():
     ap.add_argument("--cuda", action="store_true", help="the GPU comparison against fla")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of each contender (CPU case)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="with --cuda: one call of the torch backend "
+                    "under torch.profiler (kernel time, launches, top kernels)")
     ap.add_argument("--T", type=int, default=4096, help="CPU case length")
     args = ap.parse_args()
     cuda_main(args) if args.cuda else cpu_main(args)

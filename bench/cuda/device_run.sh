@@ -113,6 +113,10 @@ for step in "$@"; do
         timeout ${DROPIN_TIMEOUT:-500} python3 bench/fla_model_dropin.py --lib build-cuda/libgla.so --out "$LOG" \
         --fla-tune-ms 5,20 --configs ${DROPIN_CONFIGS:-1024x8} ${DROPIN_ARGS:-} 2>&1 | tee "$LOG/dropin.log" | grep -v Warn
       autotune_harvest ;;
+    torchprof) # the torch backend's forward+backward on the GPU (bench/torch_backend_bench.py), one
+      # call under torch.profiler: kernel time against wall time, launches, top kernels
+      PYTHONPATH=python GLA_LIBRARY=build-cuda/libgla.so LD_LIBRARY_PATH=build-cuda PYTHONUNBUFFERED=1 \
+        timeout ${TORCHPROF_TIMEOUT:-200} python3 bench/torch_backend_bench.py --cuda --repeat 5 --profile 2>&1 | tee "$LOG/torchprof.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
