@@ -17,9 +17,10 @@ Per configuration (default: hidden 1024 / 8 heads and hidden 2048 / 4 heads, 4 l
    median step time (forward + backward + optimizer, CUDA-synchronised) of each.
 3. greedy generate (transformers' generate through fla's cache): both runs from the fla-trained
    weights, a 256-token prompt (chunked prefill), 64 new tokens (recurrent decoding); token
-   agreement.
+   agreement, and where a sequence first differs, fla's logit margin there (a near-tie or not).
 4. decoding throughput at batch 64: generate 128 new tokens after a 128-token prompt, minus the
-   time of a 1-token generate (the prefill), in tokens/s.
+   time of a 1-token generate (the prefill), in tokens/s; and the host time of the substituted
+   fused_recurrent_gla calls during one such generate (their mean and share of its wall time).
 
 fla comes from its wheels, not a dependency of libgla. The GPU machine has transformers (5.17.0,
 within flash-linear-attention's transformers<6,>=5.6.2) but no network: download the rest once where
@@ -248,6 +249,46 @@ def decode_rate(model, name, batch, prompt_len, new_tokens):
     return batch * (new_tokens - 1) / (timings[new_tokens] - timings[1])
 
 
+def recurrent_host_time(model, name, batch, prompt_len, new_tokens):
+    """The decode step's recurrent attention calls, timed on the host: the substituted
+    fused_recurrent_gla wrapped in a perf_counter timer during one generate (decoding is host-bound
+    at these sizes, so a call's wall time is what it costs the step). Returns the calls, their mean
+    time in microseconds, and their share of the generate's wall time."""
+    gen = torch.Generator().manual_seed(ARGS.seed + 7)
+    prompt = torch.randint(0, VOCAB, (batch, prompt_len), generator=gen).cuda()
+    with kernels(name):
+        inner, spent = fla_gla_layer.fused_recurrent_gla, []
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - start)
+        fla_gla_layer.fused_recurrent_gla = timed
+        generate(model, prompt, 2)
+        spent.clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        generate(model, prompt, new_tokens)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+    return {"calls": len(spent), "mean_us": 1e6 * sum(spent) / max(1, len(spent)), "share": sum(spent) / total}
+
+
+def margin_at_difference(model, prompt, tokens, seq, index):
+    """Where greedy decoding first differs: with fla's kernels, the gap between the largest and the
+    second-largest logit at that step, and between the largest and libgla's token's (a near-tie
+    flipped by bf16 rounding shows a gap of the size of bf16's spacing there)."""
+    ids = torch.cat([prompt[seq], torch.tensor(tokens["fla"][seq][:index], dtype=prompt.dtype, device=prompt.device)])[None]
+    with torch.no_grad(), kernels("fla"):
+        logits = model(input_ids=ids).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return {"top1_minus_top2": float(top[0] - top[1]),
+            "top1_minus_libgla_token": float(top[0] - logits[tokens["libgla"][seq][index]]),
+            "top1": float(top[0])}
+
+
 def nn_layer_check(hidden, heads, init_state):
     """gla.nn.GatedLinearAttention loaded with the weights of the model's first fla layer: its
     output (libgla kernels) against fla's layer (fla's kernels) on the same bf16 input."""
@@ -319,6 +360,16 @@ def run_config(hidden, heads, batches):
     result["generate"] = {"agreement": agree, "first_difference": int(differs[0]) if len(differs) else None,
                           "fla": tokens["fla"].tolist(), "libgla": tokens["libgla"].tolist()}
     print(f"greedy generate: {agree * 100:.1f}% of {tokens['fla'].numel()} tokens agree", flush=True)
+    rows = (tokens["fla"] != tokens["libgla"]).any(1).nonzero().flatten().tolist()
+    margins = []
+    for seq in rows:
+        index = int((tokens["fla"][seq] != tokens["libgla"][seq]).nonzero()[0])
+        m = margin_at_difference(model, prompt, {k: v.tolist() for k, v in tokens.items()}, seq, index)
+        margins.append({"sequence": seq, "token": index, **m})
+        print(f"  sequence {seq} first differs at token {index}: fla's logits there, top-1 minus top-2 "
+              f"{m['top1_minus_top2']:.4f}, minus libgla's token {m['top1_minus_libgla_token']:.4f} "
+              f"(top-1 {m['top1']:.2f})", flush=True)
+    result["generate"]["margins_at_first_difference"] = margins
 
     decode_new = 16 if ARGS.quick else 128
     result["decode_tokens_per_s"] = {name: decode_rate(model, name, ARGS.decode_batch, 128, decode_new)
@@ -326,6 +377,11 @@ def run_config(hidden, heads, batches):
     r = result["decode_tokens_per_s"]
     result["decode_speedup"] = r["libgla"] / r["fla"]
     print(f"decode at batch {ARGS.decode_batch}: fla {r['fla']:.0f} tok/s, libgla {r['libgla']:.0f} tok/s", flush=True)
+    result["decode_recurrent_host"] = {name: recurrent_host_time(model, name, ARGS.decode_batch, 128, decode_new)
+                                       for name in ("fla", "libgla")}
+    for name, h in result["decode_recurrent_host"].items():
+        print(f"  {name} fused_recurrent_gla: {h['calls']} calls, {h['mean_us']:.1f} us each on the host, "
+              f"{h['share'] * 100:.1f}% of the generate's wall time", flush=True)
     del model
     torch.cuda.empty_cache()
     return result
