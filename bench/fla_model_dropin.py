@@ -31,7 +31,10 @@ then on the GPU machine (repository root, libgla built with CUDA in build-cuda/)
     pip install -q --no-index --no-deps --target /tmp/site_fla .whl-fla/*.whl   (PYTHONPATH=/tmp/site_fla)
     python3 bench/fla_model_dropin.py --lib build-cuda/libgla.so --out "$OUT"   [--quick]
 Writes fla_model_dropin_<configs>.json and ..._loss.png into --out (default $OUT, else
-bench/results/) and prints a summary table. --quick: T512, 10 steps, short generations.
+bench/results/) and prints a summary table. --quick: T512, 10 steps, short generations. --decode-only:
+step 4 alone on fla's initial weights (fla_model_dropin_decode_<configs>.json). --layer-grads: the
+first and last layer's chunk_gla call captured inside the model, its gradients by fla, libgla and the
+cpu backend (fp32) on the same tensors (fla_model_dropin_layer_grads_<configs>.json).
 --configs 1024x8 and --configs 2048x4 in two calls keep each call short (each is a same-run
 comparison of the two kernel sets on its own).
 """
@@ -67,6 +70,13 @@ def parse_args():
     p.add_argument("--fla-tune-ms", metavar="WARMUP,REP",
                    help="time Triton's autotune candidates for WARMUP,REP ms instead of 25,100 (fla's first calls "
                         "otherwise take minutes per shape on the GPU machine)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="only step 4 (decoding throughput and the recurrent calls' host time), on fla's initial "
+                        "weights: a short call for the decode ratio alone")
+    p.add_argument("--layer-grads", action="store_true",
+                   help="only capture the first and last layer's chunk_gla inputs and incoming gradient inside the "
+                        "bf16 model (fla's kernels, one batch) and compare fla's, libgla's and the cpu backend's "
+                        "(fp32, the reference) gradients on those exact tensors")
     p.add_argument("--plot-only", metavar="JSON", help="only redraw the PNG from a saved JSON (no GPU, no fla)")
     args = p.parse_args()
     if args.quick:
@@ -387,6 +397,104 @@ def run_config(hidden, heads, batches):
     return result
 
 
+def run_decode(hidden, heads):
+    """Step 4 alone, on fla's initial weights (the decode rate does not depend on them): both kernel
+    sets timed in turn, twice, the better of the two rates of each kept."""
+    print(f"\n=== decode only: hidden {hidden}, {heads} heads, {ARGS.layers} layers, batch {ARGS.decode_batch} ===",
+          flush=True)
+    model = build(hidden, heads, ARGS.layers, torch.bfloat16).eval()
+    new = 16 if ARGS.quick else 128
+    rates = {"fla": 0.0, "libgla": 0.0}
+    for _ in range(2):
+        for name in rates:
+            rates[name] = max(rates[name], decode_rate(model, name, ARGS.decode_batch, 128, new))
+    host = {name: recurrent_host_time(model, name, ARGS.decode_batch, 128, new) for name in rates}
+    del model
+    torch.cuda.empty_cache()
+    print(f"decode at batch {ARGS.decode_batch}: fla {rates['fla']:.0f} tok/s, libgla {rates['libgla']:.0f} tok/s "
+          f"({rates['libgla'] / rates['fla']:.2f}x)")
+    for name, h in host.items():
+        print(f"  {name} fused_recurrent_gla: {h['calls']} calls, {h['mean_us']:.1f} us each on the host, "
+              f"{h['share'] * 100:.1f}% of the generate's wall time", flush=True)
+    return {"hidden": hidden, "heads": heads, "layers": ARGS.layers, "decode_tokens_per_s": rates,
+            "decode_speedup": rates["libgla"] / rates["fla"], "decode_recurrent_host": host}
+
+
+def captured_layer_calls(model, batch):
+    """The chunk_gla calls of one forward + backward of the model on fla's kernels: each call's
+    inputs, keyword arguments and the gradient that reached its o."""
+    calls, real = [], fla_gla_layer.chunk_gla
+
+    def capturing(q, k, v, g, **kwargs):
+        o, ht = real(q, k, v, g, **kwargs)
+        call = {"q": q.detach().clone(), "k": k.detach().clone(), "v": v.detach().clone(), "g": g.detach().clone(),
+                "kwargs": kwargs}
+        o.register_hook(lambda grad: call.__setitem__("do", grad.detach().clone()))
+        calls.append(call)
+        return o, ht
+
+    with kernels("fla"):
+        fla_gla_layer.chunk_gla = capturing
+        model.zero_grad(set_to_none=True)
+        model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+    return calls
+
+
+def layer_gradients(fn, call, dtype=None, device="cuda"):
+    xs = [call[n].to(device=device, dtype=dtype or call[n].dtype).requires_grad_() for n in ("q", "k", "v", "g")]
+    kwargs = {n: a for n, a in call["kwargs"].items() if n in ("initial_state", "output_final_state", "state_v_first")}
+    kwargs["output_final_state"] = False
+    o, _ = fn(*xs, **kwargs)
+    return [o.detach()] + list(torch.autograd.grad(o, xs, call["do"].to(device=device, dtype=o.dtype)))
+
+
+def run_layer_grads(hidden, heads, batch):
+    """fla's, libgla's and the cpu backend's (fp32) gradients of the first and the last layer's
+    chunk_gla call on the tensors the model gave it (fla's kernels, fla's initial weights)."""
+    print(f"\n=== layer gradients inside the model: hidden {hidden}, {heads} heads ===", flush=True)
+    model = build(hidden, heads, ARGS.layers, torch.bfloat16)
+    calls = captured_layer_calls(model, batch)
+    del model
+    out = []
+    for index in (0, len(calls) - 1):
+        call = calls[index]
+        if call["kwargs"].get("initial_state") is not None or call["kwargs"].get("cu_seqlens") is not None:
+            sys.exit("the captured call has an initial state or cu_seqlens: this check does not cover it")
+        with gla.backend("cpu"):
+            ref = layer_gradients(gla.chunk_gla, call, torch.float32, "cpu")
+        row = {"layer": index, "shape": list(call["q"].shape) + [call["v"].shape[-1]]}
+        for name, fn in (("fla", fla_gla_layer.chunk_gla), ("libgla", gla.chunk_gla)):
+            got = layer_gradients(fn, call)
+            row[name] = {n: rel(a.float().cpu(), b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), got, ref)}
+            print(f"layer {index} {name:6s} against the cpu backend (fp32): "
+                  + "  ".join(f"{n} {e:.2e}" for n, e in row[name].items()), flush=True)
+        out.append(row)
+    return {"hidden": hidden, "heads": heads, "calls": len(calls), "layers": out}
+
+
+def main_layer_grads():
+    batch = markov_batches(1, ARGS.batch, ARGS.seq_len, ARGS.seed)[0].cuda()
+    results = [run_layer_grads(*(int(x) for x in spec.split("x")), batch) for spec in ARGS.configs.split(",")]
+    stem = os.path.join(ARGS.out, "fla_model_dropin_layer_grads_" + ARGS.configs.replace(",", "_"))
+    with open(stem + ".json", "w") as f:
+        json.dump({"args": vars(ARGS), "results": results}, f, indent=1)
+    print(f"\nwrote {stem}.json")
+
+
+def main_decode_only():
+    results = [run_decode(*(int(x) for x in spec.split("x"))) for spec in ARGS.configs.split(",")]
+    stem = os.path.join(ARGS.out, "fla_model_dropin_decode_" + ARGS.configs.replace(",", "_"))
+    with open(stem + ".json", "w") as f:
+        json.dump({"args": vars(ARGS), "results": results}, f, indent=1)
+    print("\n| config | decode tok/s fla / libgla | speedup | recurrent call host time fla / libgla |")
+    print("|---|---|---|---|")
+    for r in results:
+        d, h = r["decode_tokens_per_s"], r["decode_recurrent_host"]
+        print(f"| {r['hidden']}/{r['heads']}h/{r['layers']}L | {d['fla']:.0f} / {d['libgla']:.0f} | "
+              f"{r['decode_speedup']:.2f}x | {h['fla']['mean_us']:.0f} / {h['libgla']['mean_us']:.0f} us |")
+    print(f"\nwrote {stem}.json")
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -395,6 +503,10 @@ def main():
     os.makedirs(ARGS.out, exist_ok=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, libgla {gla.version()} ({gla.library_path()}), "
           f"fla {getattr(__import__('fla'), '__version__', '?')}")
+    if ARGS.decode_only:
+        return main_decode_only()
+    if ARGS.layer_grads:
+        return main_layer_grads()
     batches = markov_batches(ARGS.steps, ARGS.batch, ARGS.seq_len, ARGS.seed)
     results = []
     for spec in ARGS.configs.split(","):

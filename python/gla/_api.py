@@ -10,7 +10,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _chunked, _lib, _ops, _tensors, _validate
+from . import _chunked, _host_offsets, _lib, _ops, _tensors, _validate
 
 
 def _as_host_offsets(cu_seqlens_cpu) -> Optional[Tensor]:
@@ -72,6 +72,8 @@ def chunk_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: Optional[float]
     if q.dtype == torch.float64:
         return _float64_chunk_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
                                   host, backend_name, bool(check_inputs))
+    if host is None and cu_seqlens is not None:
+        host = _host_offsets.host_copy(cu_seqlens)  # one synchronisation per cu_seqlens, not per call
     try:
         o, final = _ops.chunk_fwd(q, k, v, g, initial_state, cu_seqlens, host, scale,
                                   bool(state_v_first), bool(output_final_state), backend_name, _ops.selection.policy,

@@ -20,16 +20,16 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _lib, _ops, _recurrent_torch
+from . import _host_offsets, _lib, _ops, _recurrent_torch
 
 # The schemas; libgla_torch defines the same strings (gla/csrc/recurrent_ops.cpp).
 SCHEMAS = {
     "recurrent_fwd": "recurrent_fwd(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, Tensor? initial_state, "
                      "Tensor? cu_seqlens, float scale, bool reverse, bool state_v_first, bool output_final_state, "
-                     "str backend, int policy) -> (Tensor, Tensor)",
+                     "str backend, int policy, Tensor? cu_seqlens_cpu=None) -> (Tensor, Tensor)",
     "recurrent_bwd": "recurrent_bwd(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, Tensor? initial_state, "
                      "Tensor? cu_seqlens, Tensor? do, Tensor? dht, float scale, bool reverse, bool state_v_first, "
-                     "str backend, int policy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+                     "str backend, int policy, Tensor? cu_seqlens_cpu=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "recurrent_state_update": "recurrent_state_update(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, "
                               "Tensor(a!) state_pool, Tensor state_slots, Tensor(b!) slot_error, float scale, "
                               "bool state_v_first, bool output_token_states, bool check_slots, str backend, "
@@ -63,14 +63,14 @@ _fwd_op = _bwd_op = _update_op = None  # the eager entries (_ops.eager_entry), s
 
 # ---- fake kernels ----
 def _recurrent_fwd_fake(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first,
-                        output_final_state, backend, policy):
+                        output_final_state, backend, policy, cu_seqlens_cpu=None):
     # The outputs have the chunked operator's metadata (its fake reads no gate).
     return _ops._chunk_fwd_fake(q, k, v, None, initial_state, cu_seqlens, None, scale, state_v_first,
                                 output_final_state, backend, policy)
 
 
 def _recurrent_bwd_fake(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht, scale, reverse, state_v_first, backend,
-                        policy):
+                        policy, cu_seqlens_cpu=None):
     def empty():
         return q.new_empty(0, dtype=torch.float32)
 
@@ -99,8 +99,8 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
 def _save(ctx, q, k, v, gk, gv, initial_state, rest):
-    """rest: (cu_seqlens, scale, reverse, state_v_first, output_final_state, backend, policy);
-    cu_seqlens is saved as a tensor (torch.compile traces it), the rest kept on ctx."""
+    """rest: (cu_seqlens, scale, reverse, state_v_first, output_final_state, backend, policy[,
+    cu_seqlens_cpu]); cu_seqlens is saved as a tensor (torch.compile traces it), the rest kept on ctx."""
     ctx.save_for_backward(q, k, v, gk, gv, initial_state, rest[0])
     ctx.rest = rest[1:]
 
@@ -111,14 +111,15 @@ def _setup_context(ctx, inputs, output):
 
 def _gradients(ctx, do, dht, recurrent_bwd):
     q, k, v, gk, gv, initial_state, cu_seqlens = ctx.saved_tensors
-    scale, reverse, state_v_first, _, backend, policy = ctx.rest
+    scale, reverse, state_v_first, _, backend, policy = ctx.rest[:6]
+    host = ctx.rest[6] if len(ctx.rest) > 6 else None
     if dht is not None and dht.numel() == 0:
         dht = None  # the placeholder for a final state nobody asked for
     do, dht = _ops.unit_stride_rows(do), _ops.unit_stride_rows(dht)
     try:
         with _below_autograd():
             dq, dk, dv, dgk, dgv, dh0 = recurrent_bwd(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht, scale,
-                                                      reverse, state_v_first, backend, policy)
+                                                      reverse, state_v_first, backend, policy, host)
     except RuntimeError as e:
         raise _lib.python_error(e) from None
     return (dq, dk, dv, dgk if gk is not None else None, dgv if gv is not None else None,
@@ -126,7 +127,7 @@ def _gradients(ctx, do, dht, recurrent_bwd):
 
 
 def _backward(ctx, do, dht):
-    return _gradients(ctx, do, dht, torch.ops.gla.recurrent_bwd.default) + (None,) * 7
+    return _gradients(ctx, do, dht, torch.ops.gla.recurrent_bwd.default) + (None,) * 8
 
 
 class _RecurrentFwd(torch.autograd.Function):
@@ -160,11 +161,14 @@ def _wants_grad(*tensors) -> bool:
 
 def recurrent_fwd(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, output_final_state,
                   backend, policy):
-    """gla::recurrent_fwd with autograd by the cheapest route that keeps its semantics (as _ops.chunk_fwd)."""
+    """gla::recurrent_fwd with autograd by the cheapest route that keeps its semantics (as _ops.chunk_fwd).
+    Eager calls pass the kept host copy of a device cu_seqlens (_host_offsets)."""
     args = (q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, output_final_state, backend,
             policy)
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return torch.ops.gla.recurrent_fwd.default(*args)
+    if cu_seqlens is not None:
+        args += (_host_offsets.host_copy(cu_seqlens),)
     if _wants_grad(q, k, v, gk, gv, initial_state):
         return _apply(q, k, v, gk, gv, initial_state, args[6:])
     with _below_autograd():
@@ -271,7 +275,8 @@ def fused_recurrent_gla(q: Tensor, k: Tensor, v: Tensor, gk: Optional[Tensor] = 
         output_final_state: also return the final state.
         reverse: walk the tokens from last to first (the final state is then the state after token 0).
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B == 1). On a device it is
-            copied to the host (a synchronisation); the decode step needs none (recurrent_state_update).
+            copied to the host once per version of the tensor (a synchronisation; gla/_host_offsets.py);
+            the decode step needs none (recurrent_state_update).
         state_v_first: states are ``[N, H, V, K]`` (fla's layer passes True when decoding).
 
     Returns:

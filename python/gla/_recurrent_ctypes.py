@@ -75,28 +75,28 @@ def _or_empty(t, q):
 
 
 def recurrent_fwd(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, state_v_first, output_final_state,
-                  backend, policy):
+                  backend, policy, cu_seqlens_cpu=None):
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     final = None
     if output_final_state and q.dim() == 4 and v.dim() == 4:
         final = torch.empty(_ops.state_shape(q, v, _ops.num_sequences(q, cu_seqlens), state_v_first),
                             dtype=torch.float32, device=q.device)
     named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ctypes_kernels._host_offsets(cu_seqlens, None)),
+             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ctypes_kernels._host_offsets(cu_seqlens, cu_seqlens_cpu)),
              ("o", o), ("final_state", final))
     _call("gla_recurrent_forward", RecurrentForwardArgs, named, reverse, q, scale, state_v_first, backend, policy)
     return o, _or_empty(final, q)
 
 
 def recurrent_bwd(q, k, v, gk, gv, initial_state, cu_seqlens, do, dht, scale, reverse, state_v_first, backend,
-                  policy):
+                  policy, cu_seqlens_cpu=None):
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dgk = torch.empty(gk.shape, dtype=gk.dtype, device=gk.device) if gk is not None else None
     dgv = torch.empty(gv.shape, dtype=gv.dtype, device=gv.device) if gv is not None else None
     dh0 = (torch.empty(initial_state.shape, dtype=torch.float32, device=q.device)
            if initial_state is not None else None)
     named = (("q", q), ("k", k), ("v", v), ("gk", gk), ("gv", gv), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ctypes_kernels._host_offsets(cu_seqlens, None)),
+             ("cu_seqlens", cu_seqlens), ("cu_seqlens_host", _ctypes_kernels._host_offsets(cu_seqlens, cu_seqlens_cpu)),
              ("do", do), ("dht", dht), ("dq", dq), ("dk", dk), ("dv", dv), ("dgk", dgk), ("dgv", dgv), ("dh0", dh0))
     _call("gla_recurrent_backward", RecurrentBackwardArgs, named, reverse, q, scale, state_v_first, backend, policy)
     return dq, dk, dv, _or_empty(dgk, q), _or_empty(dgv, q), _or_empty(dh0, q)

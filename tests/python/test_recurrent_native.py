@@ -256,3 +256,37 @@ def test_cuda_decode_step_never_synchronises():
     host = {n: (t.cpu() if t is not None else None) for n, t in x.items()}
     o_ref, ht_ref = oracle(host, False, None, True)
     assert rel(o.cpu(), o_ref) < 5e-3 and rel(ht.cpu(), ht_ref) < 1e-5 and error.item() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: recurrent GPU tests need an NVIDIA GPU (pytest -m cuda)")
+def test_cuda_varlen_calls_synchronise_once_per_cu_seqlens():
+    """fla's layers decode packed (B = 1, cu_seqlens on the GPU, no host copy) and hand the same
+    cu_seqlens to every layer: only the first call copies it to the host (a synchronisation); the
+    others run under the sync debug mode "error". An in-place change makes the next call copy again."""
+    from gla import _host_offsets
+    _host_offsets.forget()
+    N, H, K, V = 4, 2, 64, 128
+    x = make(1, N, H, K, V, dtype=torch.bfloat16, gk=True, v_first=True, N=N, device="cuda", seed=44)
+    cu = torch.arange(N + 1, dtype=torch.int32, device="cuda")
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 2 * N, H, K, device="cuda")).bfloat16()
+    qc, kc, vc = (torch.rand(1, 2 * N, H, D, device="cuda").bfloat16() for D in (K, K, V))
+    cu_chunk = torch.tensor([0, 3, 8], dtype=torch.int64, device="cuda")
+    gla.fused_recurrent_gla(**x, output_final_state=True, state_v_first=True, cu_seqlens=cu)  # copies cu
+    gla.chunk_gla(qc, kc, vc, g, cu_seqlens=cu_chunk, output_final_state=True)  # copies cu_chunk
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # the other layers of the step
+            o, ht = gla.fused_recurrent_gla(**x, output_final_state=True, state_v_first=True, cu_seqlens=cu)
+            oc, hc = gla.chunk_gla(qc, kc, vc, g, cu_seqlens=cu_chunk, output_final_state=True)
+        cu_chunk.add_(0)  # a new version: the next call must look again
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            gla.chunk_gla(qc, kc, vc, g, cu_seqlens=cu_chunk, output_final_state=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    host = {n: (t.cpu() if t is not None else None) for n, t in x.items()}
+    o_ref, ht_ref = oracle(host, False, list(range(N + 1)), True)
+    assert rel(o.cpu(), o_ref) < 5e-3 and rel(ht.cpu(), ht_ref) < 1e-5
+    want = gla.chunk_gla(qc, kc, vc, g, cu_seqlens=cu_chunk, cu_seqlens_cpu=[0, 3, 8], output_final_state=True)
+    assert torch.equal(oc, want[0]) and torch.equal(hc, want[1])

@@ -113,3 +113,50 @@ def test_plugin_stage_for_the_device_mixes_with_torch_stages(device, monkeypatch
         assert a.device == device
         err = rel(a.cpu(), b)
         assert err < 1e-5, f"plug-in fwd_intra + torch stages on the device: {name} relative RMS error {err:.3e}"
+
+
+def test_host_copy_of_device_offsets_is_kept_per_tensor_version(device):
+    """gla/_host_offsets.py: one host copy per version of a device cu_seqlens; any write PyTorch
+    makes (through the tensor or a view of it) gives a fresh copy with the new contents."""
+    from gla import _host_offsets
+    _host_offsets.forget()
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32).to(device)
+    first = _host_offsets.host_copy(cu)
+    assert first.device.type == "cpu" and first.tolist() == [0, 3, 7]
+    assert _host_offsets.host_copy(cu) is first
+    cu[1:2].fill_(2)  # a write through a view
+    second = _host_offsets.host_copy(cu)
+    assert second is not first and second.tolist() == [0, 2, 7]
+    cu.add_(1)
+    assert _host_offsets.host_copy(cu).tolist() == [1, 3, 8]
+    twin = cu.clone()  # equal contents, another tensor: its own copy
+    assert _host_offsets.host_copy(twin) is not _host_offsets.host_copy(cu)
+    assert _host_offsets.host_copy(torch.tensor([0, 1])) is None  # host tensors need no copy
+    assert _host_offsets.host_copy(None) is None
+
+
+def test_varlen_calls_copy_device_offsets_once_per_tensor(device, monkeypatch):
+    """chunk_gla and fused_recurrent_gla with cu_seqlens on the device and no host copy (fla's
+    calls): the layers of a model share one cu_seqlens, so only the first call copies it to the
+    host; after an in-place change the next call copies again and computes the new segmentation."""
+    from gla import _host_offsets
+    _host_offsets.forget()
+    copies = []
+    real = _host_offsets._to_host
+    monkeypatch.setattr(_host_offsets, "_to_host", lambda t: copies.append(1) or real(t))
+    x = on(device, make_inputs(**CASES["varlen"], seed=43))
+    cu = x["cu_seqlens"]
+    args = dict(initial_state=x["initial_state"], output_final_state=True)
+    outs = [gla.chunk_gla(x["q"], x["k"], x["v"], x["g"], cu_seqlens=cu, **args) for _ in range(3)]
+    assert len(copies) == 1
+    o, ht = gla.fused_recurrent_gla(x["q"], x["k"], x["v"], x["g"], cu_seqlens=cu, **args)
+    assert len(copies) == 1
+    want = gla.chunk_gla(x["q"], x["k"], x["v"], x["g"], cu_seqlens=cu, cu_seqlens_cpu=[0, 7, 70, 150], **args)
+    for got in outs + [(o, ht)]:
+        assert rel(got[0].cpu(), want[0].cpu()) < 1e-5 and rel(got[1].cpu(), want[1].cpu()) < 1e-5
+    cu.copy_(torch.tensor([0, 40, 41, 150], dtype=cu.dtype).to(device))  # a new segmentation, in place
+    o2, ht2 = gla.chunk_gla(x["q"], x["k"], x["v"], x["g"], cu_seqlens=cu, **args)
+    assert len(copies) == 2
+    want2 = gla.chunk_gla(x["q"], x["k"], x["v"], x["g"], cu_seqlens=cu, cu_seqlens_cpu=[0, 40, 41, 150], **args)
+    assert rel(o2.cpu(), want2[0].cpu()) < 1e-5 and rel(ht2.cpu(), want2[1].cpu()) < 1e-5
+    assert rel(o2.cpu(), want[0].cpu()) > 1e-2  # the old segmentation's answer differs

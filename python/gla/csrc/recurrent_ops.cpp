@@ -20,10 +20,10 @@ std::tuple<Tensor, Tensor> recurrent_fwd(Tensor q, Tensor k, Tensor v, std::opti
                                          std::optional<Tensor> gv, std::optional<Tensor> initial_state,
                                          std::optional<Tensor> cu_seqlens, double scale, bool reverse,
                                          bool state_v_first, bool output_final_state, std::string backend,
-                                         int64_t policy) {
+                                         int64_t policy, std::optional<Tensor> cu_seqlens_cpu) {
   gla_tensor dq = describe("q", q), dk = describe("k", k), dv = describe("v", v);
   gla_tensor dgk, dgv, dh0, dcu, dhost, dfinal;
-  const std::optional<Tensor> host = host_offsets(cu_seqlens, std::nullopt);
+  const std::optional<Tensor> host = host_offsets(cu_seqlens, cu_seqlens_cpu);
   Tensor o = empty_like(v);
   gla_tensor d_o = describe("o", o);
   std::optional<Tensor> final;
@@ -60,7 +60,8 @@ std::optional<Tensor> like(const std::optional<Tensor>& t) {
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrent_bwd(
     Tensor q, Tensor k, Tensor v, std::optional<Tensor> gk, std::optional<Tensor> gv,
     std::optional<Tensor> initial_state, std::optional<Tensor> cu_seqlens, std::optional<Tensor> do_,
-    std::optional<Tensor> dht, double scale, bool reverse, bool state_v_first, std::string backend, int64_t policy) {
+    std::optional<Tensor> dht, double scale, bool reverse, bool state_v_first, std::string backend, int64_t policy,
+    std::optional<Tensor> cu_seqlens_cpu) {
   gla_tensor tq = describe("q", q), tk = describe("k", k), tv = describe("v", v);
   gla_tensor tgk, tgv, th0, tcu, thost, tdo, tdht, tdgk, tdgv, tdh0;
   // Inputs described first: describe rejects a rank above GLA_MAX_RANK before any output shaped
@@ -68,7 +69,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> recurrent_bwd(
   const gla_tensor* pgk = describe("gk", gk, tgk);
   const gla_tensor* pgv = describe("gv", gv, tgv);
   const gla_tensor* ph0 = describe("initial_state", initial_state, th0);
-  const std::optional<Tensor> host = host_offsets(cu_seqlens, std::nullopt);
+  const std::optional<Tensor> host = host_offsets(cu_seqlens, cu_seqlens_cpu);
   Tensor dq = empty_like(q), dk = empty_like(k), dv = empty_like(v);
   const std::optional<Tensor> dgk = like(gk), dgv = like(gv);
   std::optional<Tensor> dh0;
@@ -142,11 +143,11 @@ STABLE_TORCH_LIBRARY_FRAGMENT(gla, m) {
   m.def(
       "recurrent_fwd(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, Tensor? initial_state, "
       "Tensor? cu_seqlens, float scale, bool reverse, bool state_v_first, bool output_final_state, str backend, "
-      "int policy) -> (Tensor, Tensor)");
+      "int policy, Tensor? cu_seqlens_cpu=None) -> (Tensor, Tensor)");
   m.def(
       "recurrent_bwd(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, Tensor? initial_state, "
       "Tensor? cu_seqlens, Tensor? do, Tensor? dht, float scale, bool reverse, bool state_v_first, str backend, "
-      "int policy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int policy, Tensor? cu_seqlens_cpu=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "recurrent_state_update(Tensor q, Tensor k, Tensor v, Tensor? gk, Tensor? gv, Tensor(a!) state_pool, "
       "Tensor state_slots, Tensor(b!) slot_error, float scale, bool state_v_first, bool output_token_states, "
