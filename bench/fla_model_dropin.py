@@ -267,9 +267,11 @@ def recurrent_host_time(model, name, batch, prompt_len, new_tokens):
     gen = torch.Generator().manual_seed(ARGS.seed + 7)
     prompt = torch.randint(0, VOCAB, (batch, prompt_len), generator=gen).cuda()
     with kernels(name):
-        inner, spent = fla_gla_layer.fused_recurrent_gla, []
+        inner, spent, first = fla_gla_layer.fused_recurrent_gla, [], []
 
         def timed(*args, **kwargs):
+            if not first:
+                first.append((args, kwargs))
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
@@ -283,7 +285,25 @@ def recurrent_host_time(model, name, batch, prompt_len, new_tokens):
         generate(model, prompt, new_tokens)
         torch.cuda.synchronize()
         total = time.perf_counter() - start
-    return {"calls": len(spent), "mean_us": 1e6 * sum(spent) / max(1, len(spent)), "share": sum(spent) / total}
+        # the first call's arguments again, alone: its host time outside the model
+        args, kwargs = first[0]
+        with torch.no_grad():
+            for _ in range(10):
+                inner(*args, **kwargs)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(100):
+                inner(*args, **kwargs)
+            alone = (time.perf_counter() - start) / 100
+            torch.cuda.synchronize()
+    out = {"calls": len(spent), "mean_us": 1e6 * sum(spent) / max(1, len(spent)), "share": sum(spent) / total,
+           "alone_us": 1e6 * alone,
+           "arguments": {k: (list(v.shape), str(v.dtype), list(v.stride())) if torch.is_tensor(v) else v
+                         for k, v in kwargs.items()}}
+    if name == "libgla":
+        text = gla.explain_recurrent(**{k: v for k, v in kwargs.items() if k != "scale"})
+        out["decision"] = [line for line in text.splitlines() if line.startswith(("decision", "plan"))]
+    return out
 
 
 def margin_at_difference(model, prompt, tokens, seq, index):
@@ -415,7 +435,9 @@ def run_decode(hidden, heads):
           f"({rates['libgla'] / rates['fla']:.2f}x)")
     for name, h in host.items():
         print(f"  {name} fused_recurrent_gla: {h['calls']} calls, {h['mean_us']:.1f} us each on the host, "
-              f"{h['share'] * 100:.1f}% of the generate's wall time", flush=True)
+              f"{h['share'] * 100:.1f}% of the generate's wall time; the first call's arguments alone "
+              f"{h['alone_us']:.1f} us {h.get('decision', '')}", flush=True)
+    print(f"  arguments of the first call: {host['libgla']['arguments']}", flush=True)
     return {"hidden": hidden, "heads": heads, "layers": ARGS.layers, "decode_tokens_per_s": rates,
             "decode_speedup": rates["libgla"] / rates["fla"], "decode_recurrent_host": host}
 
