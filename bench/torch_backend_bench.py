@@ -55,6 +55,30 @@ def gla_call(backend, backward):
     return run
 
 
+def experiment_call(backward, **variant):
+    """The `torch` backend with bench/experiments/torch_gpu_body.py installed (--experiment)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
+    import torch_gpu_body
+    shipped = gla_call("torch", backward)
+
+    def run(*args):
+        with torch_gpu_body.installed(**variant):
+            return shipped(*args)
+    return run
+
+
+EXPERIMENTS = {"batched scan": dict(batched_scan=True),
+               "batched scan + 16-bit operands": dict(batched_scan=True, operand_dtype=torch.bfloat16),
+               "16-bit operands": dict(batched_scan=False, operand_dtype=torch.bfloat16)}
+
+
+def max_rel(a, b):
+    """The largest relative RMS difference between two results (tuples of tensors)."""
+    a, b = (a,) if torch.is_tensor(a) else a, (b,) if torch.is_tensor(b) else b
+    return max(((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item() for x, y in zip(a, b))
+
+
 def fla_call(backward):
     from fla.ops.gla import chunk_gla as fla_chunk_gla
 
@@ -134,12 +158,18 @@ def cpu_main(args):
               f"{args.threads} cores")
     for backward in (False, True):
         print("forward+backward" if backward else "forward")
-        (ref_wall, wall), (ref_cpu, cpu) = time_cpu([gla_call("cpu", backward), gla_call("torch", backward)], x,
-                                                     args.repeat)
+        variants = {"batched scan": EXPERIMENTS["batched scan"]} if args.experiment else {}  # fp32: no 16-bit operands
+        fns = [gla_call("cpu", backward), gla_call("torch", backward)]
+        fns += [experiment_call(backward, **v) for v in variants.values()]
+        (ref_wall, wall, *more_wall), (ref_cpu, cpu, *more_cpu) = time_cpu(fns, x, args.repeat)
         ref = report("cpu backend", ref_wall)
         report("torch backend", wall, ref)
+        for name, w in zip(variants, more_wall):
+            report(f"torch, {name}", w, ref)
         ref = report("cpu backend, CPU time", ref_cpu)
         report("torch backend, CPU time", cpu, ref)
+        for name, c in zip(variants, more_cpu):
+            report(f"torch, {name}, CPU time", c, ref)
         print(f"  ({load()})")
 
 
@@ -186,6 +216,20 @@ def cuda_main(args):
         print(f"  {'torch backend extra peak':<28} {mem / 2**30:9.2f} GiB{ratio}")
         if args.profile:
             profile_cuda(fn, x)
+        if args.experiment:  # the experiment's variants against the shipped body, same inputs
+            shipped = time_cuda(fn, x, args.repeat)
+            expected = fn(*x)
+            report("torch backend (again)", shipped, ref)
+            for name, variant in EXPERIMENTS.items():
+                exp = experiment_call(True, **variant)
+                diff = max_rel(exp(*x), expected)
+                med = report(f"torch, {name}", time_cuda(exp, x, args.repeat), ref)
+                mem = extra_peak_cuda(exp, x)
+                print(f"    {med / statistics.median(shipped):5.2f}x the shipped body's time, extra peak "
+                      f"{mem / 2**30:.2f} GiB, largest rel-RMS difference to it {diff:.2e}", flush=True)
+                if args.profile:
+                    profile_cuda(exp, x, top=12)
+            del expected
         del x
         torch.cuda.empty_cache()
 
@@ -198,6 +242,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="with --cuda: one call of the torch backend "
                     "under torch.profiler (kernel time, launches, top kernels)")
     ap.add_argument("--T", type=int, default=4096, help="CPU case length")
+    ap.add_argument("--experiment", action="store_true", help="also time the variants of "
+                    "bench/experiments/torch_gpu_body.py (not shipped) against the shipped body")
     args = ap.parse_args()
     cuda_main(args) if args.cuda else cpu_main(args)
 
