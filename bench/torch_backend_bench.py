@@ -55,22 +55,28 @@ def gla_call(backend, backward):
     return run
 
 
-def experiment_call(backward, **variant):
-    """The `torch` backend with bench/experiments/torch_gpu_body.py installed (--experiment)."""
+def experiment_call(backward, module, **variant):
+    """The `torch` backend with a body of bench/experiments/ installed (--experiment)."""
+    import importlib
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
-    import torch_gpu_body
+    body = importlib.import_module(module)
     shipped = gla_call("torch", backward)
 
     def run(*args):
-        with torch_gpu_body.installed(**variant):
+        with body.installed(**variant):
             return shipped(*args)
     return run
 
 
-EXPERIMENTS = {"batched scan": dict(batched_scan=True),
-               "batched scan + 16-bit operands": dict(batched_scan=True, operand_dtype=torch.bfloat16),
-               "16-bit operands": dict(batched_scan=False, operand_dtype=torch.bfloat16)}
+# name: (module under bench/experiments, its installed() arguments, also on the CPU (fp32))
+EXPERIMENTS = {"batched scan": ("torch_gpu_body", dict(batched_scan=True), True),
+               "batched scan + 16-bit operands": ("torch_gpu_body", dict(batched_scan=True, operand_dtype=torch.bfloat16),
+                                                  False),
+               "16-bit operands": ("torch_gpu_body", dict(batched_scan=False, operand_dtype=torch.bfloat16), False),
+               "torch.compile": ("torch_compiled_body", dict(compile=True), True),
+               "torch.compile + 16-bit operands": ("torch_compiled_body",
+                                                   dict(compile=True, operand_dtype=torch.bfloat16), False)}
 
 
 def max_rel(a, b):
@@ -158,9 +164,9 @@ def cpu_main(args):
               f"{args.threads} cores")
     for backward in (False, True):
         print("forward+backward" if backward else "forward")
-        variants = {"batched scan": EXPERIMENTS["batched scan"]} if args.experiment else {}  # fp32: no 16-bit operands
+        variants = {n: e for n, e in EXPERIMENTS.items() if e[2]} if args.experiment else {}  # fp32: no 16-bit operands
         fns = [gla_call("cpu", backward), gla_call("torch", backward)]
-        fns += [experiment_call(backward, **v) for v in variants.values()]
+        fns += [experiment_call(backward, module, **v) for module, v, _ in variants.values()]
         (ref_wall, wall, *more_wall), (ref_cpu, cpu, *more_cpu) = time_cpu(fns, x, args.repeat)
         ref = report("cpu backend", ref_wall)
         report("torch backend", wall, ref)
@@ -220,9 +226,15 @@ def cuda_main(args):
             shipped = time_cuda(fn, x, args.repeat)
             expected = fn(*x)
             report("torch backend (again)", shipped, ref)
-            for name, variant in EXPERIMENTS.items():
-                exp = experiment_call(True, **variant)
-                diff = max_rel(exp(*x), expected)
+            for name, (module, variant, _) in EXPERIMENTS.items():
+                exp = experiment_call(True, module, **variant)
+                start = time.perf_counter()
+                try:
+                    diff = max_rel(exp(*x), expected)
+                except Exception as e:  # an experiment that fails is reported, the others still run
+                    print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                print(f"  {name}: first call {time.perf_counter() - start:.1f} s (compiles, where it does)", flush=True)
                 med = report(f"torch, {name}", time_cuda(exp, x, args.repeat), ref)
                 mem = extra_peak_cuda(exp, x)
                 print(f"    {med / statistics.median(shipped):5.2f}x the shipped body's time, extra peak "
