@@ -11,7 +11,9 @@ Per configuration (default: hidden 1024 / 8 heads and hidden 2048 / 4 heads, 4 l
    fla's kernels on an fp32 copy of the model (TF32 off) as the reference. Per parameter group
    (the layer index folded): the max relative error ‖a − b‖/‖b‖ of libgla against fla, and of
    each against the fp32 reference; "within bf16 noise" = libgla's error against fp32 is at most
-   1.5x fla's own (+1e-3).
+   1.5x fla's own (+1e-3). The fp32 model also runs on libgla's kernels (its backward on the
+   `torch` backend, which serves fp32): where the two fp32 runs part, the kernel sets differ beyond
+   rounding, and --layer-grads says which one is off.
 2. training: 50 AdamW steps from the same initial weights on the same batches (a synthetic sparse
    Markov language, learnable, generated here); the two loss curves, their largest gap, and the
    median step time (forward + backward + optimizer, CUDA-synchronised) of each.
@@ -189,9 +191,14 @@ def compare_grads(hidden, heads, init_state, batch):
     torch.backends.cudnn.allow_tf32 = False
     with kernels("fla"):
         ref_loss, ref = grads_of(ref_model, batch)
+    # the same fp32 model on libgla's kernels: the fp32 reference above is fla's kernels, so it
+    # agrees with fla's bf16 run even where fla's kernels are wrong; two fp32 runs that part show
+    # the kernel sets differ in (near) exact arithmetic
+    with kernels("libgla"):
+        ref_loss_libgla, ref_libgla = grads_of(ref_model, batch)
     del ref_model
     torch.cuda.empty_cache()
-    out = {"loss_fp32": ref_loss}
+    out = {"loss_fp32": ref_loss, "loss_fp32_libgla": ref_loss_libgla}
     grads = {}
     for name in ("fla", "libgla"):
         model = build(hidden, heads, ARGS.layers, torch.bfloat16, init_state)
@@ -201,8 +208,11 @@ def compare_grads(hidden, heads, init_state, batch):
         torch.cuda.empty_cache()
     groups = {}
     for n in ref:
-        g = groups.setdefault(group_of(n), {"libgla_vs_fla": 0.0, "libgla_vs_fp32": 0.0, "fla_vs_fp32": 0.0})
+        g = groups.setdefault(group_of(n), {"libgla_vs_fla": 0.0, "libgla_vs_fp32": 0.0, "fla_vs_fp32": 0.0,
+                                            "fp32_libgla_vs_fp32": 0.0, "libgla_vs_fp32_libgla": 0.0})
         g["libgla_vs_fla"] = max(g["libgla_vs_fla"], rel(grads["libgla"][n], grads["fla"][n]))
+        g["fp32_libgla_vs_fp32"] = max(g["fp32_libgla_vs_fp32"], rel(ref_libgla[n], ref[n]))
+        g["libgla_vs_fp32_libgla"] = max(g["libgla_vs_fp32_libgla"], rel(grads["libgla"][n], ref_libgla[n]))
         g["libgla_vs_fp32"] = max(g["libgla_vs_fp32"], rel(grads["libgla"][n], ref[n]))
         g["fla_vs_fp32"] = max(g["fla_vs_fp32"], rel(grads["fla"][n], ref[n]))
     out["groups"] = groups
@@ -363,10 +373,15 @@ def run_config(hidden, heads, batches):
           f"layer; to an fp32 run {e['gla_nn_vs_fp32']:.2e} (fla's layer: {e['fla_layer_vs_fp32']:.2e})", flush=True)
     result["grads"] = compare_grads(hidden, heads, init, batches[0].cuda())
     g = result["grads"]
-    print(f"loss: fp32 {g['loss_fp32']:.5f}  fla {g['loss_fla']:.5f}  libgla {g['loss_libgla']:.5f}")
-    print(f"{'parameter group':44s} {'libgla/fla':>11s} {'libgla/fp32':>11s} {'fla/fp32':>11s}")
+    print(f"loss: fp32 {g['loss_fp32']:.5f} (libgla's kernels: {g['loss_fp32_libgla']:.5f})  fla {g['loss_fla']:.5f}  "
+          f"libgla {g['loss_libgla']:.5f}")
+    print(f"{'parameter group':44s} {'libgla/fla':>11s} {'libgla/fp32':>11s} {'fla/fp32':>11s} "
+          f"{'fp32 l/f':>11s} {'libgla/fp32l':>12s}")
     for name, e in g["groups"].items():
-        print(f"{name:44s} {e['libgla_vs_fla']:11.2e} {e['libgla_vs_fp32']:11.2e} {e['fla_vs_fp32']:11.2e}")
+        print(f"{name:44s} {e['libgla_vs_fla']:11.2e} {e['libgla_vs_fp32']:11.2e} {e['fla_vs_fp32']:11.2e} "
+              f"{e['fp32_libgla_vs_fp32']:11.2e} {e['libgla_vs_fp32_libgla']:12.2e}")
+    print("(fp32 l/f: the fp32 model's gradients on libgla's kernels against fla's; libgla/fp32l: libgla's bf16 run "
+          "against that libgla fp32 run)")
     print(f"gradients within bf16 noise: {g['within_bf16_noise']}", flush=True)
 
     runs, states = {}, {}
