@@ -272,6 +272,11 @@ TEST(CudaBackward, StateGradientsFromTheReversedForward) {
     c.K = kv.first;
     c.V = kv.second;
     check_case(c);
+    c.state_v_first = true;  // fla's GLA layer passes state_v_first whatever K and V are
+    check_case(c);
+    c.initial_state = false;
+    c.final_state = false;
+    check_case(c);
   }
   for (const std::vector<int64_t>& cu : {std::vector<int64_t>{0, 0, 128, 128, 192, 704}, {0, 64}, {0, 640, 640}}) {
     for (int64_t D : {64, 100}) {

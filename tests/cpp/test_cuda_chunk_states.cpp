@@ -196,6 +196,15 @@ TEST(CudaChunkStates, ForwardSavesAndBackwardReads) {
       c.V = kv.second;
       check_round_trip(c);
     }
+    // fla's GLA layer: state_v_first with K != V, in training without initial or final state
+    Case m = base_case(GLA_DTYPE_BF16, 2, 256, 2, 64);
+    m.K = kv.first;
+    m.V = kv.second;
+    m.state_v_first = true;
+    check_round_trip(m);
+    m.initial_state = false;
+    m.final_state = false;
+    check_round_trip(m);
   }
   Case v = base_case(GLA_DTYPE_BF16, 2, 256, 2, 64);
   v.state_v_first = true;

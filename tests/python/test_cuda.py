@@ -210,6 +210,22 @@ def test_cuda_saved_chunk_states(T, K, V):
         assert rel(a.double().cpu(), want.double()) < 5e-3, f"autograd {name}: {rel(a.double().cpu(), want.double()):.3e}"
 
 
+@pytest.mark.parametrize("T,K,V", [(300, 64, 128), (192, 256, 512), (256, 128, 64)])
+def test_cuda_fla_layer_call_matches_reference(T, K, V):
+    """The call fla's GLA layer makes in training: bf16, state_v_first=True, no initial state, no
+    final state (saved chunk states on the cuda backend), gradients through autograd."""
+    x = make_inputs(B=2, T=T, H=2, K=K, V=V, dtype=torch.bfloat16, initial_state=False, state_v_first=True,
+                    randn=True, seed=12)
+    want = run_gla(x, output_final_state=False, backend="reference")
+    got = run_gla(_to(x, "cuda"), output_final_state=False)
+    for name, a, b in zip(NAMES, got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        err = rel(a.double().cpu(), b.double())
+        assert err < 5e-3, f"{name}: relative RMS error {err:.3e}"
+
+
 def test_cuda_no_saved_chunk_states_where_the_backend_saves_none():
     """Varlen, fp32 inputs and a backend without saved states (`torch`): no states (numel 0), the
     same outputs as chunk_fwd."""
