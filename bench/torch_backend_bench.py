@@ -69,14 +69,26 @@ def experiment_call(backward, module, **variant):
     return run
 
 
-# name: (module under bench/experiments, its installed() arguments, also on the CPU (fp32))
-EXPERIMENTS = {"batched scan": ("torch_gpu_body", dict(batched_scan=True), True),
-               "batched scan + 16-bit operands": ("torch_gpu_body", dict(batched_scan=True, operand_dtype=torch.bfloat16),
-                                                  False),
-               "16-bit operands": ("torch_gpu_body", dict(batched_scan=False, operand_dtype=torch.bfloat16), False),
-               "torch.compile": ("torch_compiled_body", dict(compile=True), True),
-               "torch.compile + 16-bit operands": ("torch_compiled_body",
-                                                   dict(compile=True, operand_dtype=torch.bfloat16), False)}
+# id: (module under bench/experiments, its installed() arguments, also on the CPU (fp32))
+EXPERIMENTS = {"scan": ("torch_gpu_body", dict(batched_scan=True), True),
+               "scan+ops16": ("torch_gpu_body", dict(batched_scan=True, operand_dtype=torch.bfloat16), False),
+               "ops16": ("torch_gpu_body", dict(batched_scan=False, operand_dtype=torch.bfloat16), False),
+               "compile": ("torch_compiled_body", dict(compile=True), True),
+               "compile+ops16": ("torch_compiled_body", dict(compile=True, operand_dtype=torch.bfloat16), False)}
+# scan: the block's state updates as one bmm and one addcmul a step; ops16: 16-bit matmul operands
+# with fp32 accumulation (16-bit inputs); compile: the functional body under torch.compile
+
+
+def chosen_experiments(args):
+    if not args.experiment:
+        return {}
+    if args.experiment == "all":
+        return EXPERIMENTS
+    names = [n.strip() for n in args.experiment.split(",")]
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        raise SystemExit(f"--experiment: unknown {unknown}; choose from {list(EXPERIMENTS)}")
+    return {n: EXPERIMENTS[n] for n in names}
 
 
 def max_rel(a, b):
@@ -164,7 +176,7 @@ def cpu_main(args):
               f"{args.threads} cores")
     for backward in (False, True):
         print("forward+backward" if backward else "forward")
-        variants = {n: e for n, e in EXPERIMENTS.items() if e[2]} if args.experiment else {}  # fp32: no 16-bit operands
+        variants = {n: e for n, e in chosen_experiments(args).items() if e[2]}  # fp32: no 16-bit operands
         fns = [gla_call("cpu", backward), gla_call("torch", backward)]
         fns += [experiment_call(backward, module, **v) for module, v, _ in variants.values()]
         (ref_wall, wall, *more_wall), (ref_cpu, cpu, *more_cpu) = time_cpu(fns, x, args.repeat)
@@ -203,7 +215,7 @@ def cuda_main(args):
     except ImportError as e:
         have_fla = False
         print(f"fla not importable ({e}): timing the torch backend alone")
-    cases = [(8, 4096, 16, 128, 128), (8, 2048, 4, 256, 512)]
+    cases = [[(8, 4096, 16, 128, 128), (8, 2048, 4, 256, 512)][int(i)] for i in args.cases.split(",")]
     print(f"CUDA {torch.cuda.get_device_name(0)}, bf16, forward+backward, torch {torch.__version__}, "
           f"repeat {args.repeat}")
     for B, T, H, K, V in cases:
@@ -226,7 +238,7 @@ def cuda_main(args):
             shipped = time_cuda(fn, x, args.repeat)
             expected = fn(*x)
             report("torch backend (again)", shipped, ref)
-            for name, (module, variant, _) in EXPERIMENTS.items():
+            for name, (module, variant, _) in chosen_experiments(args).items():
                 exp = experiment_call(True, module, **variant)
                 start = time.perf_counter()
                 try:
@@ -254,8 +266,11 @@ def main():
     ap.add_argument("--profile", action="store_true", help="with --cuda: one call of the torch backend "
                     "under torch.profiler (kernel time, launches, top kernels)")
     ap.add_argument("--T", type=int, default=4096, help="CPU case length")
-    ap.add_argument("--experiment", action="store_true", help="also time the variants of "
-                    "bench/experiments/torch_gpu_body.py (not shipped) against the shipped body")
+    ap.add_argument("--experiment", nargs="?", const="all", default=None, metavar="NAMES",
+                    help="also time the variants of bench/experiments/ (not shipped) against the shipped body: all, "
+                         "or a comma-separated subset of: " + ",".join(EXPERIMENTS))
+    ap.add_argument("--cases", default="0,1", help="with --cuda: which of the two GPU cases (0: B8 T4096 H16 D128, "
+                    "1: B8 T2048 H4 K256 V512)")
     args = ap.parse_args()
     cuda_main(args) if args.cuda else cpu_main(args)
 
