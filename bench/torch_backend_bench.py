@@ -59,7 +59,9 @@ def experiment_call(backward, module, **variant):
     """The `torch` backend with a body of bench/experiments/ installed (--experiment)."""
     import importlib
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     body = importlib.import_module(module)
     shipped = gla_call("torch", backward)
 

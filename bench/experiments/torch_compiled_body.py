@@ -14,20 +14,12 @@ Compiled per block shape (dynamic=False): a call's blocks have one or two shapes
 from __future__ import annotations
 
 import contextlib
-from typing import List
 
 import torch
 
 from gla import _chunked, _scratch
-from gla._chunked import Layout, _running_state, _sequence_order, gate_floor
-
-
-def _levels(C: int) -> List[int]:
-    out, w = [], C
-    while w >= 2:
-        out.append(w)
-        w //= 2
-    return out
+from gla._chunked import Layout, _levels, _running_state, _sequence_order, gate_floor
+from torch_gpu_body import _scan_steps
 
 
 def _mask(kind: str, w: int, like: torch.Tensor) -> torch.Tensor:
@@ -183,15 +175,6 @@ def _fn(name):
         fn = {"forward": forward_block, "prescan": prescan_block, "backward": backward_block, "to_end": _to_end}[name]
         _compiled[name] = torch.compile(fn, fullgraph=True, dynamic=False) if _mode["compile"] else fn
     return _compiled[name]
-
-
-def _scan_steps(layout, c_range, p0, whole, updates, running, entering):
-    counts, firsts = layout.step_count, layout.step_start
-    for c in c_range:
-        a, n = firsts[c] - p0, counts[c]
-        Sn = running[:n]
-        entering[a:a + n].copy_(Sn)
-        torch.addcmul(updates[a:a + n], Sn, whole[a:a + n].unsqueeze(-1), out=Sn)
 
 
 def _updates(weight, value, alpha: float = 1.0):

@@ -167,8 +167,7 @@ def recurrent_fwd(q, k, v, gk, gv, initial_state, cu_seqlens, scale, reverse, st
             policy)
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return torch.ops.gla.recurrent_fwd.default(*args)
-    if cu_seqlens is not None:
-        args += (_host_offsets.host_copy(cu_seqlens),)
+    args += (_host_offsets.host_copy(cu_seqlens),)  # None without a device cu_seqlens
     if _wants_grad(q, k, v, gk, gv, initial_state):
         return _apply(q, k, v, gk, gv, initial_state, args[6:])
     with _below_autograd():
