@@ -34,9 +34,10 @@ then on the GPU machine (repository root, libgla built with CUDA in build-cuda/)
     python3 bench/fla_model_dropin.py --lib build-cuda/libgla.so --out "$OUT"   [--quick]
 Writes fla_model_dropin_<configs>.json and ..._loss.png into --out (default $OUT, else
 bench/results/) and prints a summary table. --quick: T512, 10 steps, short generations. --decode-only:
-step 4 alone on fla's initial weights (fla_model_dropin_decode_<configs>.json). --layer-grads: the
-first and last layer's chunk_gla call captured inside the model, its gradients by fla, libgla and the
-cpu backend (fp32) on the same tensors (fla_model_dropin_layer_grads_<configs>.json).
+step 4 alone on fla's initial weights (fla_model_dropin_decode_<configs>.json). --layer-grads: every
+layer's chunk_gla call captured inside the model on each kernel set; its in-model gradients against
+the cpu backend (fp32) and against the same kernel called alone on the same tensors, and the two
+runs' inputs against each other (fla_model_dropin_layer_grads_<configs>.json).
 --configs 1024x8 and --configs 2048x4 in two calls keep each call short (each is a same-run
 comparison of the two kernel sets on its own).
 """
@@ -76,9 +77,9 @@ def parse_args():
                    help="only step 4 (decoding throughput and the recurrent calls' host time), on fla's initial "
                         "weights: a short call for the decode ratio alone")
     p.add_argument("--layer-grads", action="store_true",
-                   help="only capture the first and last layer's chunk_gla inputs and incoming gradient inside the "
-                        "bf16 model (fla's kernels, one batch) and compare fla's, libgla's and the cpu backend's "
-                        "(fp32, the reference) gradients on those exact tensors")
+                   help="only capture every layer's chunk_gla call inside the bf16 model (one batch), once per kernel "
+                        "set, and compare its in-model gradients with the cpu backend's (fp32) and with the same "
+                        "kernel called alone on those exact tensors")
     p.add_argument("--plot-only", metavar="JSON", help="only redraw the PNG from a saved JSON (no GPU, no fla)")
     args = p.parse_args()
     if args.quick:
@@ -460,20 +461,22 @@ def run_decode(hidden, heads):
             "decode_speedup": rates["libgla"] / rates["fla"], "decode_recurrent_host": host}
 
 
-def captured_layer_calls(model, batch):
-    """The chunk_gla calls of one forward + backward of the model on fla's kernels: each call's
-    inputs, keyword arguments and the gradient that reached its o."""
-    calls, real = [], fla_gla_layer.chunk_gla
+def captured_layer_calls(model, batch, name):
+    """The chunk_gla calls of one forward + backward of the model on kernel set `name`: each call's
+    inputs, keyword arguments, the gradient that reached its o and the gradients it gave its inputs."""
+    calls, real = [], (gla.chunk_gla if name == "libgla" else fla_gla_layer.chunk_gla)
 
     def capturing(q, k, v, g, **kwargs):
         o, ht = real(q, k, v, g, **kwargs)
         call = {"q": q.detach().clone(), "k": k.detach().clone(), "v": v.detach().clone(), "g": g.detach().clone(),
                 "kwargs": kwargs}
         o.register_hook(lambda grad: call.__setitem__("do", grad.detach().clone()))
+        for n, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+            x.register_hook(lambda grad, n=n: call.__setitem__("d" + n, grad.detach().clone()))
         calls.append(call)
         return o, ht
 
-    with kernels("fla"):
+    with kernels(name):
         fla_gla_layer.chunk_gla = capturing
         model.zero_grad(set_to_none=True)
         model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
@@ -488,28 +491,48 @@ def layer_gradients(fn, call, dtype=None, device="cuda"):
     return [o.detach()] + list(torch.autograd.grad(o, xs, call["do"].to(device=device, dtype=o.dtype)))
 
 
+GRAD_NAMES = ("dq", "dk", "dv", "dg")
+
+
 def run_layer_grads(hidden, heads, batch):
-    """fla's, libgla's and the cpu backend's (fp32) gradients of the first and the last layer's
-    chunk_gla call on the tensors the model gave it (fla's kernels, fla's initial weights)."""
+    """Every layer's chunk_gla call inside the model, captured once on fla's kernels and once on
+    libgla's (fla's initial weights): per call, the gradients the model's backward got from the
+    kernel against the cpu backend (fp32) on the same tensors, the same kernel called alone on them,
+    and how far the libgla run's inputs and incoming gradient are from the fla run's."""
     print(f"\n=== layer gradients inside the model: hidden {hidden}, {heads} heads ===", flush=True)
-    model = build(hidden, heads, ARGS.layers, torch.bfloat16)
-    calls = captured_layer_calls(model, batch)
-    del model
+    captured = {}
+    for name in ("fla", "libgla"):
+        model = build(hidden, heads, ARGS.layers, torch.bfloat16)
+        captured[name] = captured_layer_calls(model, batch, name)
+        del model
+        torch.cuda.empty_cache()
     out = []
-    for index in (0, len(calls) - 1):
-        call = calls[index]
-        if call["kwargs"].get("initial_state") is not None or call["kwargs"].get("cu_seqlens") is not None:
-            sys.exit("the captured call has an initial state or cu_seqlens: this check does not cover it")
-        with gla.backend("cpu"):
-            ref = layer_gradients(gla.chunk_gla, call, torch.float32, "cpu")
-        row = {"layer": index, "shape": list(call["q"].shape) + [call["v"].shape[-1]]}
+    for index in range(len(captured["fla"])):
+        row = {"layer": index}
         for name, fn in (("fla", fla_gla_layer.chunk_gla), ("libgla", gla.chunk_gla)):
-            got = layer_gradients(fn, call)
-            row[name] = {n: rel(a.float().cpu(), b) for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), got, ref)}
-            print(f"layer {index} {name:6s} against the cpu backend (fp32): "
-                  + "  ".join(f"{n} {e:.2e}" for n, e in row[name].items()), flush=True)
+            call = captured[name][index]
+            if call["kwargs"].get("initial_state") is not None or call["kwargs"].get("cu_seqlens") is not None:
+                sys.exit("the captured call has an initial state or cu_seqlens: this check does not cover it")
+            with gla.backend("cpu"):
+                ref = layer_gradients(gla.chunk_gla, call, torch.float32, "cpu")
+            alone = layer_gradients(fn, call)
+            in_model = [call[n] for n in GRAD_NAMES]
+            row[name] = {
+                "in_model_vs_cpu": {n: rel(a.float().cpu(), b) for n, a, b in zip(GRAD_NAMES, in_model, ref[1:])},
+                "alone_vs_cpu": {n: rel(a.float().cpu(), b) for n, a, b in zip(("o",) + GRAD_NAMES, alone, ref)},
+                "in_model_vs_alone": {n: rel(a.float(), b.float()) for n, a, b in zip(GRAD_NAMES, in_model, alone[1:])},
+            }
+            print(f"layer {index} {name:6s} in the model vs cpu: "
+                  + "  ".join(f"{n} {e:.2e}" for n, e in row[name]["in_model_vs_cpu"].items())
+                  + " | alone vs cpu: " + "  ".join(f"{n} {e:.2e}" for n, e in row[name]["alone_vs_cpu"].items())
+                  + " | in the model vs alone: "
+                  + "  ".join(f"{n} {e:.2e}" for n, e in row[name]["in_model_vs_alone"].items()), flush=True)
+        row["libgla_run_vs_fla_run"] = {n: rel(captured["libgla"][index][n].float(), captured["fla"][index][n].float())
+                                        for n in ("q", "k", "v", "g", "do") + GRAD_NAMES}
+        print(f"layer {index} libgla run vs fla run: "
+              + "  ".join(f"{n} {e:.2e}" for n, e in row["libgla_run_vs_fla_run"].items()), flush=True)
         out.append(row)
-    return {"hidden": hidden, "heads": heads, "calls": len(calls), "layers": out}
+    return {"hidden": hidden, "heads": heads, "calls": len(captured["fla"]), "layers": out}
 
 
 def main_layer_grads():
