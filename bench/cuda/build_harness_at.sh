@@ -13,5 +13,5 @@ git -C "$root" archive "$ref" | tar -x -C "$tmp"
 mkdir -p "$root/build-cuda"
 (cd "$tmp" && nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude -o "$root/build-cuda/$name" \
   bench/cuda/harness.cu src/backends/cuda/forward.cu src/backends/cuda/plan.cpp \
-  src/backends/cuda/chunk_forward_d64.cu src/backends/cuda/chunk_forward_d128.cu)
+  src/backends/cuda/chunk_forward_d64.cu src/backends/cuda/chunk_forward_d128.cu src/backends/cuda/chunk_forward_intra.cu)
 echo "built build-cuda/$name from $ref ($(git -C "$root" rev-parse --short "$ref"))"

@@ -5,7 +5,7 @@
 #   cmake -S . -B build-cuda -G Ninja -DGLA_CUDA=ON && ninja -C build-cuda gla gla_tests
 #   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude -o build-cuda/harness \
 #     bench/cuda/harness.cu src/backends/cuda/forward.cu src/backends/cuda/plan.cpp src/backends/cuda/chunk_forward_d64.cu \
-#     src/backends/cuda/chunk_forward_d128.cu
+#     src/backends/cuda/chunk_forward_d128.cu src/backends/cuda/chunk_forward_intra.cu
 #   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -o build-cuda/handoff bench/cuda/handoff_racecheck.cu
 # A device call returns at most 8 files from $OUT: the logs go to $OUT/logs/ and come back as one
 # $OUT/logs.tgz; fla's Triton cache comes back as $OUT/triton_cache.tgz.part* (keep them in .devtmp/

@@ -5,6 +5,8 @@
 // Skips with a message where no CUDA device is present.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -203,8 +205,8 @@ TEST(CudaForward, HardResetsInSegmentSplitSequences) {
   }
 }
 
-// 128 < K <= 256: the chunk kernel once per key half, the second half's o added by a third kernel
-// (ForwardPlan::key_split). The state's key rows split too: both layouts, with and without states.
+// 128 < K <= 256: A over all keys, then the chunk kernel once per key half (ForwardPlan::key_split).
+// The state's key rows split too: both layouts, with and without states.
 TEST(CudaForward, WideKeysRunAsTwoHalves) {
   SKIP_WITHOUT_CUDA();
   for (int32_t dt : {GLA_DTYPE_BF16, GLA_DTYPE_F16}) {
@@ -240,6 +242,57 @@ TEST(CudaForward, WideKeysRunAsTwoHalves) {
   check_case(var);
   Case lng = base_case(GLA_DTYPE_BF16, 1, 20000, 1, 256);  // segments: both passes per half
   check_case(lng);
+}
+
+// The key split's rows where q . k cancels between the key halves: the first token of each
+// sequence and head has q's second half equal to its first and k's second half the negative of
+// its first plus a small same-signed part, so A[0,0] (o's row 0, with no initial state) is ~1/40
+// of either half's. A formed per half and summed (each half rounded to 16 bits) is off there by
+// several percent; A over all keys rounded once is within bf16 rounding. Every gate variant and
+// both kernels of the split (bf16 gate: warp-specialised; fp32 or unaligned: single-role).
+TEST(CudaForward, WideKeysRowsWhereHalvesCancel) {
+  SKIP_WITHOUT_CUDA();
+  for (int variant = 0; variant < 3; ++variant) {
+    Case c = base_case(GLA_DTYPE_BF16, 2, 200, 2, 256);
+    c.V = 128;
+    c.randn_inputs = true;
+    c.initial_state = false;
+    c.gate_f32 = variant == 1;
+    c.per_head_gate = variant == 2;
+    SCOPED_TRACE(c.label());
+    Inputs in = make_inputs(c);
+    for (int64_t b = 0; b < c.B; ++b) {
+      for (int64_t h = 0; h < c.H; ++h) {
+        const int64_t row = ((b * c.T + 0) * c.H + h) * c.K;  // token 0
+        for (int64_t i = 0; i < 128; ++i) {
+          const double q = in.q.get(row + i), k = in.k.get(row + i);
+          in.q.set(row + 128 + i, q);
+          in.k.set(row + 128 + i, -k + (q >= 0 ? 1.0 : -1.0) * std::abs(k) / 64.0);
+        }
+      }
+    }
+    Outputs ref;
+    ASSERT_EQ(run_forward(in, ref, RunOptions{"reference"}), GLA_STATUS_OK) << gla_last_error();
+    CudaRun got = run_cuda(in);
+    ASSERT_EQ(got.status, GLA_STATUS_OK) << got.error;
+    double worst = 0.0;
+    for (int64_t b = 0; b < c.B; ++b) {
+      for (int64_t h = 0; h < c.H; ++h) {
+        const int64_t row = ((b * c.T + 0) * c.H + h) * c.V;
+        double err = 0.0, norm = 0.0;
+        for (int64_t j = 0; j < c.V; ++j) {
+          const double d = got.out.o.get(row + j) - ref.o.get(row + j);
+          err += d * d;
+          norm += ref.o.get(row + j) * ref.o.get(row + j);
+        }
+        worst = std::max(worst, std::sqrt(err / norm));
+      }
+    }
+    std::printf("[ row 0 ] %s: worst relative error of o's first row %.3g\n", c.label().c_str(), worst);
+    EXPECT_LT(worst, 1e-2);
+    std::string report;
+    EXPECT_LT(max_error(got.out, ref, false, report), tolerance(c.dtype)) << report;
+  }
 }
 
 TEST(CudaForward, Deterministic) {

@@ -136,9 +136,10 @@ TEST(CudaPlan, RecurrentKernelForFp32AndWideKeys) {
 }
 
 // 128 < K <= 256 with 16-bit inputs: two K = 128 halves on the chunk kernel, the tiling of one
-// half. The warp-specialised kernel adds the second half into o as it stores it (key_split 2, no
-// extra workspace); the others put the second half's o ([B*T, H, V] 16-bit) after the segment
-// workspace, 256-byte aligned (key_split 1).
+// half, A over all keys ([B*T, H, 64] 16-bit) last in the workspace, 256-byte aligned. The
+// warp-specialised kernel adds the second half into o as it stores it (key_split 2); the others put
+// the second half's o ([B*T, H, V] 16-bit) after the segment workspace, 256-byte aligned
+// (key_split 1).
 TEST(CudaPlan, WideKeysRunAsTwoHalves) {
   struct Row {
     Shape s;
@@ -165,13 +166,15 @@ TEST(CudaPlan, WideKeysRunAsTwoHalves) {
     EXPECT_EQ(plan.max_segments, h.max_segments);
     if (r.kernel == ForwardKernel::kChunkWs) {
       EXPECT_EQ(plan.key_split, 2);
-      EXPECT_EQ(plan.workspace_bytes, h.workspace_bytes);
+      EXPECT_GE(plan.intra_offset, h.workspace_bytes);
     } else {
       EXPECT_EQ(plan.key_split, 1);
       EXPECT_EQ(plan.partial_offset % 256, 0u);
       EXPECT_GE(plan.partial_offset, h.workspace_bytes);
-      EXPECT_EQ(plan.workspace_bytes, plan.partial_offset + size_t(r.s.B * r.s.T * r.s.H * r.s.V) * 2);
+      EXPECT_GE(plan.intra_offset, plan.partial_offset + size_t(r.s.B * r.s.T * r.s.H * r.s.V) * 2);
     }
+    EXPECT_EQ(plan.intra_offset % 256, 0u);
+    EXPECT_EQ(plan.workspace_bytes, plan.intra_offset + size_t(r.s.B * r.s.T * r.s.H * 64) * 2);
   }
   EXPECT_GT(plan_for(rows.back().s).max_segments, 1);
   EXPECT_EQ(plan_for({}).key_split, 0);

@@ -57,9 +57,14 @@ struct ForwardParams {
   // The recurrent kernel does not store them (the planner's callers check plan.kernel).
   uint16_t* chunk_states;
   int64_t chunk_states_stride[4];
-  // 1: add this pass's o to what o holds (the key split's second half on the warp-specialised
-  // kernel at K = 128: ForwardPlan::key_split == 2). Picks a kernel instance; 0 otherwise.
-  int32_t accumulate_o;
+  // The key split on the warp-specialised kernel (ForwardPlan::key_split == 2); picks a kernel
+  // instance. 0: the whole K. 1: the first key half, o = q S without the intra-chunk term. 2: the
+  // second half: the intra-chunk term from `intra` (A over all keys, one rounding) and this pass's
+  // o added to what o holds.
+  int32_t key_half;
+  // A of every chunk over all keys (launch_intra_matrix): row (b * T + t) * H + h holds A[t, 0..63]
+  // of t's chunk (t counted from the sequence's first token), 16-bit, zero above the diagonal.
+  const uint16_t* intra;
 };
 
 // The kernel a plan runs. One name table (kernel_name, plan.cpp) serves the backend's plan note
@@ -92,12 +97,15 @@ struct ForwardPlan {
   size_t shared_bytes = 0;     // dynamic shared memory per block of the kernel (the device must allow it)
   // 128 < K <= 256 (16-bit inputs): the chunk kernel runs once per key half (keys 0..127, then
   // 128..K-1; the state's key rows split the same way, and A and o are sums over the keys). The
-  // tiling above is the plan of one K = 128 half. key_split 2 (the warp-specialised kernel): the
-  // second pass adds its o into o as it stores it (ForwardParams::accumulate_o). key_split 1 (the
-  // other chunk kernels): the second half's o goes to a [B*T, H, V] buffer at partial_offset in
-  // the workspace and a third kernel adds it to o.
+  // tiling above is the plan of one K = 128 half. key_split 2 (the warp-specialised kernel): a
+  // first kernel forms A over all keys into the workspace at intra_offset ([B*T, H, 64], 16-bit),
+  // the first half's pass stores o = q S of its keys, and the second's adds q S of its keys and
+  // A v (ForwardParams::key_half). key_split 1 (the other chunk kernels): each half's pass is a
+  // whole forward over its keys, the second half's o goes to a [B*T, H, V] buffer at
+  // partial_offset in the workspace and a third kernel adds it to o.
   int32_t key_split = 0;
   size_t partial_offset = 0;
+  size_t intra_offset = 0;
   // Full-pass blocks of the warp-specialised kernels longest first (n * max_segments + m each;
   // 0 = natural order): uneven sequences otherwise leave their longest segments for last.
   int32_t block_order_count = 0;
@@ -128,5 +136,11 @@ cudaError_t launch_forward(const ForwardParams& p, const ForwardPlan& plan, void
 cudaError_t launch_chunk_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace,
                                  cudaStream_t stream);
 cudaError_t launch_recurrent_forward(const ForwardParams& p, int64_t max_len, cudaStream_t stream);
+
+namespace detail {
+// A over all keys of every chunk of sequences up to max_chunks chunks long into `intra`
+// (ForwardParams::intra's layout, B*T*H*64 16-bit values); chunk_forward_intra.cu.
+cudaError_t launch_intra_matrix(const ForwardParams& p, int64_t max_chunks, uint16_t* intra, cudaStream_t stream);
+}  // namespace detail
 
 }  // namespace gla::cuda

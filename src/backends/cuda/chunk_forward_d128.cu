@@ -1,13 +1,17 @@
 // Chunk kernel instantiations for 64 < K <= 128 (value tile 128): the warp-specialised kernel (and
-// its instance that adds into o, for the key split's second half), and the single-role kernel.
+// its two key-split instances, ForwardParams::key_half), and the single-role kernel.
 #include "backends/cuda/chunk_forward_instances.cuh"
 
 namespace gla::cuda::detail {
 
 cudaError_t run_chunk_d128(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
-  if (plan.kernel == ForwardKernel::kChunkWs && p.accumulate_o) {
-    if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, true>(p, plan, workspace, stream);
-    return run_chunk_ws<128, __half, 16, true>(p, plan, workspace, stream);
+  if (plan.kernel == ForwardKernel::kChunkWs && p.key_half == 1) {
+    if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, 1>(p, plan, workspace, stream);
+    return run_chunk_ws<128, __half, 16, 1>(p, plan, workspace, stream);
+  }
+  if (plan.kernel == ForwardKernel::kChunkWs && p.key_half == 2) {
+    if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, 2>(p, plan, workspace, stream);
+    return run_chunk_ws<128, __half, 16, 2>(p, plan, workspace, stream);
   }
   if (plan.kernel == ForwardKernel::kChunkWs) {
     if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16>(p, plan, workspace, stream);

@@ -44,17 +44,17 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
 }
 
 // The warp-specialised kernel (both passes of a segment split). RS: rows per element-wise item
-// (16, or 8 with two prep threads per item). ACC: the full pass adds its o into o
-// (ForwardParams::accumulate_o, the key split's second half).
-template <int DK, typename E, int RS = 16, bool ACC = false>
+// (16, or 8 with two prep threads per item). KEYHALF: the full pass's part in a key split
+// (ForwardParams::key_half; the segments' local-state pass is the same for every part).
+template <int DK, typename E, int RS = 16, int KEYHALF = 0>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
   const bool per_head = p.gate_per_head != 0;
   const int smem_bytes = ws_smem_layout(DK, per_head, 16 / RS).total;
-  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, ACC>;
+  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF>;
   auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;  // pass 1 of a segment split
   {
-    cudaError_t err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 0, ACC>>(smem_bytes);
+    cudaError_t err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF>>(smem_bytes);
     if (err == cudaSuccess) err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 1>>(smem_bytes);
     if (err != cudaSuccess) return err;
   }

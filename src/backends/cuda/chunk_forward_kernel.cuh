@@ -47,6 +47,30 @@ __device__ __forceinline__ uint16_t* level_copy(int level, uint16_t* qs, uint16_
   return reinterpret_cast<uint16_t*>(smem + L.extra0);
 }
 
+// qloc_t = q_t prod_{u<=t} e_u = q_t 2^{c_t};  kloc_t = k_t prod_{u>t} e_u = k_t 2^{Tot - c_t}: one
+// column pair of sub-chunk `sub` (its 16 rows of q, k and e in registers).
+template <typename X>
+__device__ __forceinline__ void write_local_copies(uint16_t* qw, uint16_t* kw, int pq, int sub, int k0,
+                                                   const uint32_t (&qv)[16], const uint32_t (&kv)[16],
+                                                   const float (&e0)[16], const float (&e1)[16]) {
+  float f0 = 1.f, f1 = 1.f;
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    f0 *= e0[r];
+    f1 *= e1[r];
+    const float2 q = X::to_float2(qv[r]);
+    *reinterpret_cast<uint32_t*>(qw + (sub * 16 + r) * pq + k0) = X::pack(q.x * f0, q.y * f1);
+  }
+  f0 = f1 = 1.f;
+#pragma unroll
+  for (int r = 15; r >= 0; --r) {
+    const float2 k = X::to_float2(kv[r]);
+    *reinterpret_cast<uint32_t*>(kw + (sub * 16 + r) * pq + k0) = X::pack(k.x * f0, k.y * f1);
+    f0 *= e0[r];
+    f1 *= e1[r];
+  }
+}
+
 // One item per thread: (column pair cp, sub-chunk sub). Reads q, k, g first, then (after a barrier,
 // since the level copies overwrite the raw buffers) writes qloc, kloc, the four level copies and
 // the q_t . k_t partials.
@@ -76,25 +100,7 @@ __device__ __forceinline__ void mma_diag_elementwise(const ForwardParams& p, con
   }
   __syncthreads();  // every raw read is done: the copies may overwrite q, k, g now
 
-  // qloc_t = q_t prod_{u<=t} e_u = q_t 2^{c_t};  kloc_t = k_t prod_{u>t} e_u = k_t 2^{Tot - c_t}.
-  {
-    float f0 = 1.f, f1 = 1.f;
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      f0 *= e0[r];
-      f1 *= e1[r];
-      const float2 q = X::to_float2(qv[r]);
-      *reinterpret_cast<uint32_t*>(qw + (sub * 16 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
-    }
-    f0 = f1 = 1.f;
-#pragma unroll
-    for (int r = 15; r >= 0; --r) {
-      const float2 k = X::to_float2(kv[r]);
-      *reinterpret_cast<uint32_t*>(kw + (sub * 16 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
-      f0 *= e0[r];
-      f1 *= e1[r];
-    }
-  }
+  write_local_copies<X>(qw, kw, L.pq, sub, k0, qv, kv, e0, e1);
   // Level copies (half sizes 8, 4, 2, 1 as template arguments, so every index is a constant).
   write_level_block<8, 16, X>(level_copy<X>(0, qs, ks, gs, smem, L, per_head, gate_bytes) + sub * 16 * L.pq + k0, L.pq, qv, kv, e0, e1);
   write_level_block<4, 16, X>(level_copy<X>(1, qs, ks, gs, smem, L, per_head, gate_bytes) + sub * 16 * L.pq + k0, L.pq, qv, kv, e0, e1);
@@ -161,6 +167,9 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
   const int vt = blockIdx.y % sa.value_tiles;
   const int64_t v0 = int64_t(vt) * BV;
   const bool full = sa.pass == 2;
+  // The full pass forms A itself, except in a key split (ForwardParams::key_half): the first half
+  // leaves A zero (o = q S of its keys), the second reads A over all keys from p.intra.
+  const bool own_a = full && p.key_half == 0;
 
   const SeqSpan seq = sequence_span(p, n);
   const int64_t nchunks = (seq.len + kChunk - 1) / kChunk;
@@ -279,7 +288,19 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
 
     // ---- 2. element-wise: cumsum, e, qloc, kloc (the full pass also writes the level copies;
     // pass 1 needs kloc and the totals only) ----
-    if (full) mma_diag_elementwise<DK, X>(p, L, tid, lane, warp, qs, ks, gs, qw, kw, tot, smem);
+    if (own_a) mma_diag_elementwise<DK, X>(p, L, tid, lane, warp, qs, ks, gs, qw, kw, tot, smem);
+    if (full && !own_a) {
+      const int cp = tid % (DK / 2), sub = tid / (DK / 2), k0 = cp * 2;
+      uint32_t qv[16], kv[16];
+      float e0[16], e1[16], a0, a1;
+      sub_chunk_gates<X>(gs, sub, k0, L.pg, per_head, gate_bytes, e0, e1, a0, a1, [&](int r, int t) {
+        qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pq + k0);
+        kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pq + k0);
+      });
+      tot[sub * DK + k0] = a0;
+      tot[sub * DK + k0 + 1] = a1;
+      write_local_copies<X>(qw, kw, L.pq, sub, k0, qv, kv, e0, e1);
+    }
     // kloc_t = k_t prod_{u>t} e_u as a running product from the sub-chunk's end, as the full pass
     // forms it: a difference of cumulative gates (Tot - c_t) is -inf - (-inf) = NaN after a hard
     // reset (g = -inf), a product of factors e_u = 2^{g_u} is 0 there.
@@ -304,7 +325,15 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     __syncthreads();
 
     // ---- 3. the intra-chunk matrix A ----
-    if (full) {
+    if (full && p.key_half == 2) {
+      const uint16_t* src = p.intra + ((seq.batch * p.T + seq.bos + c * kChunk) * p.H + h) * kChunk;
+      for (int i = tid; i < kChunk * 8; i += NT) {
+        const int r = i >> 3;
+        *reinterpret_cast<uint4*>(As + r * L.pa + (i & 7) * 8) =
+            r < rows ? *reinterpret_cast<const uint4*>(src + int64_t(r) * p.H * kChunk + (i & 7) * 8) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    if (own_a) {
       // Off-diagonal blocks (i, j), i > j, on tensor cores.
       constexpr int kBlocks = 6;
       for (int blk = warp; blk < kBlocks; blk += NW) {

@@ -149,8 +149,10 @@ __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t*
 // which bounds the kernel (1.50x faster at B4 T8192 H32 D64).
 // LOCAL: 0 the full pass; 1 pass 1 of a segment split, a separate instance so that the full pass's
 // code is exactly the one without it (a run-time flag cost the full pass 2-6%).
-// ACC: o += this pass's output as it is stored (the key split's second half, K in 129..256).
-template <int DK, typename E, int RS = 16, int LOCAL = 0, bool ACC = false>
+// KEYHALF (ForwardParams::key_half): 0 the whole K; 1 the key split's first half, o = q S of its
+// keys (no A: the slots' A stays zero); 2 the second half, A over all keys read from p.intra in
+// place of the A phase, and o added into what o holds as it is stored.
+template <int DK, typename E, int RS = 16, int LOCAL = 0, int KEYHALF = 0>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -185,6 +187,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   // Pass 1 of a segment split: only the segment's local state (from zero) and its total log2
   // decay -- no q, A, o. The last segment's is never needed.
   constexpr bool full = LOCAL == 0;
+  constexpr bool own_a = full && KEYHALF == 0;  // this pass forms A itself
   if (!full && m >= nseg - 1) return;
   const int64_t seg_index = (n * sa.max_segments + m) * p.H + h;
   const int64_t c_begin = m * sa.segment_chunks;
@@ -356,17 +359,31 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
       };
       if constexpr (RS == 16) {
-        if (full) reduce_partials();
+        if (own_a) reduce_partials();
       }
       named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
       if (c + 1 < c_end) issue_loads(c + 1);
+      // The second key half's A rows of this chunk into registers now, stored into the slot once
+      // it is free (the loads land during the write phase). Rows past the sequence are zero.
+      constexpr int kIntraPieces = KEYHALF == 2 ? kChunk * 8 / NP : 1;  // 16-byte pieces per thread
+      uint4 intra_rows[kIntraPieces];
+      if constexpr (KEYHALF == 2) {
+        const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
+        const uint16_t* src = p.intra + ((seq.batch * p.T + seq.bos + c * kChunk) * p.H + h) * kChunk;
+#pragma unroll
+        for (int j = 0; j < kIntraPieces; ++j) {
+          const int i = tid + j * NP, r = i >> 3;
+          intra_rows[j] = r < rows ? *reinterpret_cast<const uint4*>(src + int64_t(r) * p.H * kChunk + (i & 7) * 8)
+                                   : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
       // The far off-diagonal blocks' factors 2^{Tot_1}, 2^{Tot_2}, 2^{Tot_1 + Tot_2} for this
       // thread's two columns, once per chunk (the A phase read them per k-step as exp2 of sums,
       // which made the far blocks the slowest A tasks). Sub-chunk totals in exactly the
       // expressions that tot[] gets, so the factors are bitwise those of the per-k-step form. The
       // last chunk's A phase read the table before the barrier that preceded this chunk's loads.
       if constexpr (kFarTable) {
-        if (full && hf == 0 && (sub == 1 || sub == 2)) {
+        if (own_a && hf == 0 && (sub == 1 || sub == 2)) {
           float* ofac = reinterpret_cast<float*>(smem + L.ofac);
           auto sub_total = [&](int s, int col) {
             if constexpr (HALVES == 1) {
@@ -433,7 +450,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           f1 *= e1[r];
         }
       }
-      if (full) {
+      if (own_a) {
         if constexpr (HALVES == 1) {
           const int at = sub * 16 * L.pq + k0;
           write_level_block<8, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, qv, kv, e0, e1);
@@ -447,7 +464,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
       }
       if constexpr (RS != 16) {
-        if (full) reduce_partials();
+        if (own_a) reduce_partials();
       }
       named_sync(kBarPrep, NP);
 
@@ -469,7 +486,14 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         };
         constexpr int NW = NP / 32;
         static_assert(NW == 4 || NW == 8 || NW == 16, "A task split");
-        if (full) {
+        if constexpr (KEYHALF == 2) {
+#pragma unroll
+          for (int j = 0; j < kIntraPieces; ++j) {
+            const int i = tid + j * NP;
+            *reinterpret_cast<uint4*>(As + (i >> 3) * L.pa + (i & 7) * 8) = intra_rows[j];
+          }
+        }
+        if (own_a) {
           if constexpr (NW == 16) {
             if (warp < 6) {
               offdiag(warp);
@@ -508,7 +532,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             }
           }
         }
-        if (full && tid < kChunk) {
+        if (own_a && tid < kChunk) {
           // Row t = 16 tsub + RS thf + lr: its warps are those of item row q2 = HALVES tsub + thf.
           const int t = tid, tsub = t >> 4, thf = (t & 15) / RS, lr = (t & 15) % RS, r = t & 15;
           const int wq = (tsub * HALVES + thf) * kWarpsPerItemRow;
@@ -627,7 +651,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         if (r < rows && v0 + vrow + half * 8 < p.V) {
           uint4* dst = reinterpret_cast<uint4*>(ob + (r * p.o_stride[1] + half * 8) * esz);
           const uint4 mine = *reinterpret_cast<const uint4*>(vs + r * L.pv + vrow + half * 8);
-          if constexpr (ACC) {
+          if constexpr (KEYHALF == 2) {
             // 16-bit o of the first key half + this half's, summed in fp32 and rounded once more
             const uint4 prev = *dst;
             *dst = make_uint4(add_pair<X>(prev.x, mine.x), add_pair<X>(prev.y, mine.y), add_pair<X>(prev.z, mine.z),

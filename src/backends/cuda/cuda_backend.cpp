@@ -433,7 +433,8 @@ class CudaBackend final : public Backend {
          " value tile(s) of " + std::to_string(plan.value_tile);
     if (plan.key_split) {
       s += ", K split into halves of 128 and " + std::to_string(p.K - 128) +
-           (plan.key_split == 2 ? " (one pass each; the second adds its o into the first's as it stores it)"
+           (plan.key_split == 2 ? " (A over all keys by a first kernel, then one pass per half, the second adding "
+                                  "its o into the first's as it stores it)"
                                 : " (one pass each; the second half's o summed into the first's by a third kernel)");
     }
     if (plan.max_segments > 1) {
@@ -468,9 +469,9 @@ class CudaBackend final : public Backend {
     void* workspace = p.workspace;
     bool owned = false;
     auto stream = static_cast<cudaStream_t>(p.stream);
-    // The key split's partial o is written with 16-byte stores at a 256-byte offset: a caller's
-    // workspace that is not 256-byte aligned is not used.
-    const bool misaligned = plan.key_split == 1 && reinterpret_cast<uintptr_t>(workspace) % 256 != 0;
+    // The key split's partial o or A is written with 16-byte stores at a 256-byte offset: a
+    // caller's workspace that is not 256-byte aligned is not used.
+    const bool misaligned = plan.key_split != 0 && reinterpret_cast<uintptr_t>(workspace) % 256 != 0;
     if (plan.workspace_bytes > 0 && (workspace == nullptr || p.workspace_bytes < plan.workspace_bytes || misaligned)) {
       workspace = allocate(p, plan.workspace_bytes);
       owned = true;

@@ -145,12 +145,18 @@ cudaError_t launch_key_split(const ForwardParams& p, const ForwardPlan& plan, vo
   if (p.initial_state) hi.initial_state = p.initial_state + 128 * p.h0_stride[kd];
   if (p.final_state) hi.final_state = p.final_state + 128 * p.ht_stride[kd];
   if (p.chunk_states) hi.chunk_states = p.chunk_states + 128 * p.chunk_states_stride[3];
-  cudaError_t err = launch_chunk_forward(lo, plan, workspace, stream);
+  // A over all keys first (chunk_forward_intra.cu says why), then o = q S of the first half's
+  // keys, then the second half's q S and A v: added into o as it is stored (key_split 2), or
+  // stored apart and added by a third kernel (key_split 1).
+  uint16_t* intra = reinterpret_cast<uint16_t*>(static_cast<char*>(workspace) + plan.intra_offset);
+  cudaError_t err = launch_intra_matrix(p, plan.segment_chunks * plan.max_segments, intra, stream);
   if (err != cudaSuccess) return err;
-  if (plan.key_split == 2) {  // the second pass adds into o as it stores
-    hi.accumulate_o = 1;
-    return launch_chunk_forward(hi, plan, workspace, stream);
-  }
+  lo.key_half = 1;
+  hi.key_half = 2;
+  hi.intra = intra;
+  err = launch_chunk_forward(lo, plan, workspace, stream);
+  if (err != cudaSuccess) return err;
+  if (plan.key_split == 2) return launch_chunk_forward(hi, plan, workspace, stream);
   void* partial = static_cast<char*>(workspace) + plan.partial_offset;
   hi.o = partial;
   hi.o_stride[2] = p.V;

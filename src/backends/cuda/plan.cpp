@@ -139,6 +139,8 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
       plan.partial_offset = (plan.workspace_bytes + 255) / 256 * 256;
       plan.workspace_bytes = plan.partial_offset + size_t(p.B) * p.T * p.H * p.V * 2;
     }
+    plan.intra_offset = (plan.workspace_bytes + 255) / 256 * 256;
+    plan.workspace_bytes = plan.intra_offset + size_t(p.B) * p.T * p.H * detail::kChunk * 2;
     return plan;
   }
   ForwardPlan plan = kernel_plan(p);
