@@ -37,7 +37,8 @@ bench/results/) and prints a summary table. --quick: T512, 10 steps, short gener
 step 4 alone on fla's initial weights (fla_model_dropin_decode_<configs>.json). --layer-grads: every
 layer's chunk_gla call captured inside the model on each kernel set; its in-model gradients against
 the cpu backend (fp32) and against the same kernel called alone on the same tensors, and the two
-runs' inputs against each other (fla_model_dropin_layer_grads_<configs>.json).
+runs' inputs against each other (fla_model_dropin_layer_grads_<configs>.json). --grads-only: step 1
+alone (fla_model_dropin_grads_<configs>.json).
 --configs 1024x8 and --configs 2048x4 in two calls keep each call short (each is a same-run
 comparison of the two kernel sets on its own).
 """
@@ -80,6 +81,8 @@ def parse_args():
                    help="only capture every layer's chunk_gla call inside the bf16 model (one batch), once per kernel "
                         "set, and compare its in-model gradients with the cpu backend's (fp32) and with the same "
                         "kernel called alone on those exact tensors")
+    p.add_argument("--grads-only", action="store_true",
+                   help="only step 1 (gradients of both kernel sets and the fp32 references on one batch)")
     p.add_argument("--plot-only", metavar="JSON", help="only redraw the PNG from a saved JSON (no GPU, no fla)")
     args = p.parse_args()
     if args.quick:
@@ -517,7 +520,10 @@ def run_layer_grads(hidden, heads, batch):
                 ref = layer_gradients(gla.chunk_gla, call, torch.float32, "cpu")
             alone = layer_gradients(fn, call)
             in_model = [call[n] for n in GRAD_NAMES]
+            o_rows = (alone[0].float().cpu() - ref[0]).pow(2).sum(-1).sqrt() / ref[0].pow(2).sum(-1).sqrt().clamp_min(1e-30)
             row[name] = {
+                # the first tokens' rows (one to sixteen terms each) show errors the whole-tensor figure hides
+                "o_worst_row_first_16_tokens": o_rows[:, :16].max().item(),
                 "in_model_vs_cpu": {n: rel(a.float().cpu(), b) for n, a, b in zip(GRAD_NAMES, in_model, ref[1:])},
                 "alone_vs_cpu": {n: rel(a.float().cpu(), b) for n, a, b in zip(("o",) + GRAD_NAMES, alone, ref)},
                 "in_model_vs_alone": {n: rel(a.float(), b.float()) for n, a, b in zip(GRAD_NAMES, in_model, alone[1:])},
@@ -526,7 +532,8 @@ def run_layer_grads(hidden, heads, batch):
                   + "  ".join(f"{n} {e:.2e}" for n, e in row[name]["in_model_vs_cpu"].items())
                   + " | alone vs cpu: " + "  ".join(f"{n} {e:.2e}" for n, e in row[name]["alone_vs_cpu"].items())
                   + " | in the model vs alone: "
-                  + "  ".join(f"{n} {e:.2e}" for n, e in row[name]["in_model_vs_alone"].items()), flush=True)
+                  + "  ".join(f"{n} {e:.2e}" for n, e in row[name]["in_model_vs_alone"].items())
+                  + f" | o's worst row in the first 16 tokens {row[name]['o_worst_row_first_16_tokens']:.2e}", flush=True)
         row["libgla_run_vs_fla_run"] = {n: rel(captured["libgla"][index][n].float(), captured["fla"][index][n].float())
                                         for n in ("q", "k", "v", "g", "do") + GRAD_NAMES}
         print(f"layer {index} libgla run vs fla run: "
@@ -539,6 +546,24 @@ def main_layer_grads():
     batch = markov_batches(1, ARGS.batch, ARGS.seq_len, ARGS.seed)[0].cuda()
     results = [run_layer_grads(*(int(x) for x in spec.split("x")), batch) for spec in ARGS.configs.split(",")]
     stem = os.path.join(ARGS.out, "fla_model_dropin_layer_grads_" + ARGS.configs.replace(",", "_"))
+    with open(stem + ".json", "w") as f:
+        json.dump({"args": vars(ARGS), "results": results}, f, indent=1)
+    print(f"\nwrote {stem}.json")
+
+
+def main_grads_only():
+    batch = markov_batches(1, ARGS.batch, ARGS.seq_len, ARGS.seed)[0].cuda()
+    results = []
+    for spec in ARGS.configs.split(","):
+        hidden, heads = (int(x) for x in spec.split("x"))
+        g = compare_grads(hidden, heads, None, batch)
+        results.append({"hidden": hidden, "heads": heads, "grads": g})
+        print(f"\n=== gradients: hidden {hidden}, {heads} heads === within bf16 noise: {g['within_bf16_noise']}")
+        print("| group | libgla vs fla | libgla vs fp32 | fla vs fp32 | fp32 on libgla vs fp32 |\n|---|---|---|---|---|")
+        for n, x in g["groups"].items():
+            print(f"| {n} | {x['libgla_vs_fla']:.2e} | {x['libgla_vs_fp32']:.2e} | {x['fla_vs_fp32']:.2e} "
+                  f"| {x['fp32_libgla_vs_fp32']:.2e} |")
+    stem = os.path.join(ARGS.out, "fla_model_dropin_grads_" + ARGS.configs.replace(",", "_"))
     with open(stem + ".json", "w") as f:
         json.dump({"args": vars(ARGS), "results": results}, f, indent=1)
     print(f"\nwrote {stem}.json")
@@ -570,6 +595,8 @@ def main():
         return main_decode_only()
     if ARGS.layer_grads:
         return main_layer_grads()
+    if ARGS.grads_only:
+        return main_grads_only()
     batches = markov_batches(ARGS.steps, ARGS.batch, ARGS.seq_len, ARGS.seed)
     results = []
     for spec in ARGS.configs.split(","):
