@@ -104,15 +104,8 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   float* es = reinterpret_cast<float*>(gs);
   {
     const int cp = tid % (DK / 2), sub = tid / (DK / 2), k0 = cp * 2;
-    uint32_t qv[16], kv[16];
-    float e0[16], e1[16], a0, a1;
-    sub_chunk_gates<X>(gs, sub, k0, L.pg, per_head, gate_bytes, e0, e1, a0, a1, [&](int r, int t) {
-      qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pq + k0);
-      kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pq + k0);
-    });
-    tot[sub * DK + k0] = a0;
-    tot[sub * DK + k0 + 1] = a1;
-    write_local_copies<X>(qw, kw, L.pq, sub, k0, qv, kv, e0, e1);
+    float e0[16], e1[16];
+    local_copies_item<DK, X>(L, tid, qs, ks, gs, qw, kw, tot, per_head, gate_bytes, e0, e1);
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 16; ++r) *reinterpret_cast<float2*>(es + (sub * 16 + r) * L.pg + k0) = make_float2(e0[r], e1[r]);

@@ -71,6 +71,24 @@ __device__ __forceinline__ void write_local_copies(uint16_t* qw, uint16_t* kw, i
   }
 }
 
+// One element-wise item without the level copies (thread tid: column pair, sub-chunk): the factors
+// e (returned), the sub-chunk totals, qloc and kloc (the key split's passes, the intra kernel).
+template <int DK, typename X>
+__device__ __forceinline__ void local_copies_item(const ChunkSmem& L, int tid, const uint16_t* qs, const uint16_t* ks,
+                                                  const unsigned char* gs, uint16_t* qw, uint16_t* kw, float* tot,
+                                                  bool per_head, int gate_bytes, float (&e0)[16], float (&e1)[16]) {
+  const int cp = tid % (DK / 2), sub = tid / (DK / 2), k0 = cp * 2;
+  uint32_t qv[16], kv[16];
+  float a0, a1;
+  sub_chunk_gates<X>(gs, sub, k0, L.pg, per_head, gate_bytes, e0, e1, a0, a1, [&](int r, int t) {
+    qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pq + k0);
+    kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pq + k0);
+  });
+  tot[sub * DK + k0] = a0;
+  tot[sub * DK + k0 + 1] = a1;
+  write_local_copies<X>(qw, kw, L.pq, sub, k0, qv, kv, e0, e1);
+}
+
 // One item per thread: (column pair cp, sub-chunk sub). Reads q, k, g first, then (after a barrier,
 // since the level copies overwrite the raw buffers) writes qloc, kloc, the four level copies and
 // the q_t . k_t partials.
@@ -290,16 +308,8 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     // pass 1 needs kloc and the totals only) ----
     if (own_a) mma_diag_elementwise<DK, X>(p, L, tid, lane, warp, qs, ks, gs, qw, kw, tot, smem);
     if (full && !own_a) {
-      const int cp = tid % (DK / 2), sub = tid / (DK / 2), k0 = cp * 2;
-      uint32_t qv[16], kv[16];
-      float e0[16], e1[16], a0, a1;
-      sub_chunk_gates<X>(gs, sub, k0, L.pg, per_head, gate_bytes, e0, e1, a0, a1, [&](int r, int t) {
-        qv[r] = *reinterpret_cast<const uint32_t*>(qs + t * L.pq + k0);
-        kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pq + k0);
-      });
-      tot[sub * DK + k0] = a0;
-      tot[sub * DK + k0 + 1] = a1;
-      write_local_copies<X>(qw, kw, L.pq, sub, k0, qv, kv, e0, e1);
+      float e0[16], e1[16];
+      local_copies_item<DK, X>(L, tid, qs, ks, gs, qw, kw, tot, per_head, gate_bytes, e0, e1);
     }
     // kloc_t = k_t prod_{u>t} e_u as a running product from the sub-chunk's end, as the full pass
     // forms it: a difference of cumulative gates (Tot - c_t) is -inf - (-inf) = NaN after a hard
