@@ -216,7 +216,7 @@ TEST(CudaForward, WideKeysRunAsTwoHalves) {
     s.gate_floor = -20;
     check_case(s);
   }
-  for (auto kv : {std::pair<int64_t, int64_t>{192, 64}, {256, 128}, {136, 200}, {200, 100}, {256, 32}}) {
+  for (auto kv : {std::pair<int64_t, int64_t>{192, 64}, {256, 128}, {136, 200}, {200, 100}, {256, 32}, {129, 65}}) {
     Case c = base_case(GLA_DTYPE_BF16, 1, 333, 2, 64);
     c.K = kv.first;
     c.V = kv.second;
@@ -252,9 +252,9 @@ TEST(CudaForward, WideKeysRunAsTwoHalves) {
 // both kernels of the split (bf16 gate: warp-specialised; fp32 or unaligned: single-role).
 TEST(CudaForward, WideKeysRowsWhereHalvesCancel) {
   SKIP_WITHOUT_CUDA();
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     Case c = base_case(GLA_DTYPE_BF16, 2, 200, 2, 256);
-    c.V = 128;
+    c.V = variant == 3 ? 100 : 128;  // V = 100: element-wise loads (no 16-byte rows)
     c.randn_inputs = true;
     c.initial_state = false;
     c.gate_f32 = variant == 1;
