@@ -1,9 +1,9 @@
 """Row accuracy where q . k cancels: the first token of each sequence and head has a small q_0 . k_0
 made of two large halves of opposite sign (keys 0..127 against 128..255), so o's row 0 = scale *
 (q_0 . k_0) v_0 is small. A backend that forms the score per key half and rounds each half to 16
-bits (the CUDA key split before 2026-12-04) is off there by several percent while its whole-tensor
-error stays within SPEC §5 -- and the gated RMSNorm after the attention in fla's GLA layer scales
-that row back up, so the error reached the model's gradients. Every backend that serves 16-bit
+bits is off there by several percent while its whole-tensor error stays within SPEC §5, and the
+gated RMSNorm after the attention in fla's GLA layer scales that row back up, so the error reaches
+the model's gradients (src/backends/cuda/chunk_forward_intra.cu). Every backend that serves 16-bit
 inputs (cpu, torch; cuda on a GPU, marker cuda) must keep row 0 within bf16 rounding of the fp64
 oracle."""
 import pytest
@@ -13,7 +13,7 @@ import gla
 from oracle import token_loop
 
 # bf16 inputs: A and o rounded once give 0.33 % on these inputs; each key half's score and o rounded
-# apart, 3.4 % (emulated in fp64) and 4.3 % (the CUDA single-role key split before the fix)
+# apart, 3.4 % (emulated in fp64) and 4.3 % (measured on the CUDA key split formed that way)
 ROW_TOLERANCE = 1e-2
 
 
