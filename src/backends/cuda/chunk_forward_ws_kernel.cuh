@@ -22,8 +22,8 @@
 // that keeps the CTA within 227 KB of shared memory at DK = 128.
 //
 // Scope: DK = BV (64 or 128), 16-bit q/k/v, 16-bit per-key gate or per-head gate, vector loads;
-// both passes of a segment split (pass 1: k, g, v and the state update only). Everything else runs
-// the single-role kernel (the planner decides).
+// both passes of a segment split (pass 1: k, g, v and the state update only); both parts of a key
+// split (KEYHALF below). Everything else runs the single-role kernel (the planner decides).
 #pragma once
 
 #include "backends/cuda/chunk_layout.hpp"
