@@ -34,7 +34,9 @@ then on the GPU machine (repository root, libgla built with CUDA in build-cuda/)
     python3 bench/fla_model_dropin.py --lib build-cuda/libgla.so --out "$OUT"   [--quick]
 Writes fla_model_dropin_<configs>.json and ..._loss.png into --out (default $OUT, else
 bench/results/) and prints a summary table. --quick: T512, 10 steps, short generations. --decode-only:
-step 4 alone on fla's initial weights (fla_model_dropin_decode_<configs>.json). --layer-grads: every
+step 4 alone on fla's initial weights, with each kernel set's recurrent call timed in the model, alone,
+and behind queued GPU work (a hidden synchronisation shows as the queue's time)
+(fla_model_dropin_decode_<configs>.json). --layer-grads: every
 layer's chunk_gla call captured inside the model on each kernel set; its in-model gradients against
 the cpu backend (fp32) and against the same kernel called alone on the same tensors, and the two
 runs' inputs against each other (fla_model_dropin_layer_grads_<configs>.json). --grads-only: step 1
@@ -310,8 +312,17 @@ def recurrent_host_time(model, name, batch, prompt_len, new_tokens):
                 inner(*args, **kwargs)
             alone = (time.perf_counter() - start) / 100
             torch.cuda.synchronize()
+            # behind ~2 ms of GPU work: a call that waits for the device (a hidden synchronisation)
+            # takes the rest of the sleep on the host, one that only queues takes its usual time
+            behind = []
+            for _ in range(5):
+                torch.cuda._sleep(4_000_000)
+                start = time.perf_counter()
+                inner(*args, **kwargs)
+                behind.append(time.perf_counter() - start)
+                torch.cuda.synchronize()
     out = {"calls": len(spent), "mean_us": 1e6 * sum(spent) / max(1, len(spent)), "share": sum(spent) / total,
-           "alone_us": 1e6 * alone,
+           "alone_us": 1e6 * alone, "behind_gpu_work_us": 1e6 * statistics.median(behind),
            "arguments": {k: (list(v.shape), str(v.dtype), list(v.stride())) if torch.is_tensor(v) else v
                          for k, v in kwargs.items()}}
     if name == "libgla":
@@ -457,7 +468,8 @@ def run_decode(hidden, heads):
     for name, h in host.items():
         print(f"  {name} fused_recurrent_gla: {h['calls']} calls, {h['mean_us']:.1f} us each on the host, "
               f"{h['share'] * 100:.1f}% of the generate's wall time; the first call's arguments alone "
-              f"{h['alone_us']:.1f} us {h.get('decision', '')}", flush=True)
+              f"{h['alone_us']:.1f} us, behind ~2 ms of queued GPU work {h['behind_gpu_work_us']:.1f} us "
+              f"{h.get('decision', '')}", flush=True)
     print(f"  arguments of the first call: {host['libgla']['arguments']}", flush=True)
     return {"hidden": hidden, "heads": heads, "layers": ARGS.layers, "decode_tokens_per_s": rates,
             "decode_tokens_per_s_rounds": rounds,
