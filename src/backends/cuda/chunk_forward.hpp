@@ -57,10 +57,11 @@ struct ForwardParams {
   // The recurrent kernel does not store them (the planner's callers check plan.kernel).
   uint16_t* chunk_states;
   int64_t chunk_states_stride[4];
-  // The key split on the warp-specialised kernel (ForwardPlan::key_split == 2); picks a kernel
-  // instance. 0: the whole K. 1: the first key half, o = q S without the intra-chunk term. 2: the
-  // second half: the intra-chunk term from `intra` (A over all keys, one rounding) and this pass's
-  // o added to what o holds.
+  // The pass's part in a key split (ForwardPlan::key_split; the warp-specialised kernel picks an
+  // instance by it, the single-role kernel reads it at run time). 0: the whole K. 1: the first key
+  // half, o = q S without the intra-chunk term. 2: the second half, with the intra-chunk term from
+  // `intra` (A over all keys, one rounding); on the warp-specialised kernel its o is added to what
+  // o holds as it is stored.
   int32_t key_half;
   // A of every chunk over all keys (launch_intra_matrix): row (b * T + t) * H + h holds A[t, 0..63]
   // of t's chunk (t counted from the sequence's first token), 16-bit, zero above the diagonal.
@@ -97,12 +98,12 @@ struct ForwardPlan {
   size_t shared_bytes = 0;     // dynamic shared memory per block of the kernel (the device must allow it)
   // 128 < K <= 256 (16-bit inputs): the chunk kernel runs once per key half (keys 0..127, then
   // 128..K-1; the state's key rows split the same way, and A and o are sums over the keys). The
-  // tiling above is the plan of one K = 128 half. key_split 2 (the warp-specialised kernel): a
-  // first kernel forms A over all keys into the workspace at intra_offset ([B*T, H, 64], 16-bit),
-  // the first half's pass stores o = q S of its keys, and the second's adds q S of its keys and
-  // A v (ForwardParams::key_half). key_split 1 (the other chunk kernels): each half's pass is a
-  // whole forward over its keys, the second half's o goes to a [B*T, H, V] buffer at
-  // partial_offset in the workspace and a third kernel adds it to o.
+  // tiling above is the plan of one K = 128 half. A first kernel forms A over all keys into the
+  // workspace at intra_offset ([B*T, H, 64], 16-bit); the first half's pass stores o = q S of its
+  // keys, the second's computes q S of its keys + A v (ForwardParams::key_half). key_split 2 (the
+  // warp-specialised kernel): the second pass adds its o into o as it stores it. key_split 1 (the
+  // single-role kernel): the second half's o goes to a [B*T, H, V] buffer at partial_offset in the
+  // workspace and a third kernel adds it to o.
   int32_t key_split = 0;
   size_t partial_offset = 0;
   size_t intra_offset = 0;
