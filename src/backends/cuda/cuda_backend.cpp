@@ -435,7 +435,8 @@ class CudaBackend final : public Backend {
       s += ", K split into halves of 128 and " + std::to_string(p.K - 128) +
            (plan.key_split == 2 ? " (A over all keys by a first kernel, then one pass per half, the second adding "
                                   "its o into the first's as it stores it)"
-                                : " (one pass each; the second half's o summed into the first's by a third kernel)");
+                                : " (A over all keys by a first kernel, then one pass per half, the second half's o "
+                                  "summed into the first's by a third kernel)");
     }
     if (plan.max_segments > 1) {
       s += ", sequences split into segments of " + std::to_string(plan.segment_chunks) +
