@@ -632,7 +632,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       // qg, kg, A, decay of chunk c are published
       mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
       float acc[8][4] = {};
-      if (full) o_tile<DK, X>(acc, S, vf, qw, L.pq, As, L.pa, lane);
+      // The first key half has no intra-chunk term (its A slots stay zero): its 20 A v mmas skipped.
+      if (full) o_tile<DK, X, KEYHALF != 1>(acc, S, vf, qw, L.pq, As, L.pa, lane);
       if (full && p.chunk_states != nullptr) store_chunk_state<DK>(S, p, seq.batch, seq.bos, c, h, v0, vrow, lane);
       state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
       // Done with the slot.

@@ -74,27 +74,26 @@ GLA_HD inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool p
   return s;
 }
 
-// Shared-memory layout (bytes) of the intra-chunk matrix kernel (chunk_forward_intra.cu, K <= 256):
-// raw q, k and the gate of one chunk (the gate's region holds [64][pg] fp32: the raw gate first,
-// then the factors e = 2^{g log2 e} over it), the pivoted copies qloc/kloc, A and the sub-chunk totals.
-constexpr int kIntraDK = 256;
+// Shared-memory layout (bytes) of the intra-chunk matrix kernel (chunk_forward_intra.cu): two stages
+// of one 64-key slice of q, k and the gate (the gate's region holds [64][pg] fp32: the raw gate
+// first, then the factors e = 2^{g log2 e} over it; q and k become qloc/kloc in place), A and the
+// slice's sub-chunk totals. 82 KB: two CTAs per SM.
+constexpr int kIntraSliceKeys = 64;
 GLA_HD inline ChunkSmem intra_smem_layout() {
   ChunkSmem s{};
-  s.pq = kIntraDK + 8;
+  s.pq = kIntraSliceKeys + 8;
   s.pv = 0;
   s.pa = kChunk + 8;
-  s.pg = kIntraDK + 8;
+  s.pg = kIntraSliceKeys + 8;  // fp32 rows of 288 bytes, raw 16-bit rows of 144: both 16-byte aligned
   s.q = 0;
   s.k = s.q + kChunk * s.pq * 2;
   s.v = -1;
   s.g = s.k + kChunk * s.pq * 2;
   s.stage_bytes = s.g + kChunk * s.pg * 4;
-  s.qw = s.stage_bytes;
-  s.kw = s.qw + kChunk * s.pq * 2;
-  s.a = s.kw + kChunk * s.pq * 2;
+  s.qw = s.kw = s.dfac = s.dsum = s.extra0 = s.extra1 = s.dpart = -1;
+  s.a = 2 * s.stage_bytes;
   s.tot = s.a + kChunk * s.pa * 2;
-  s.dfac = s.dsum = s.extra0 = s.extra1 = s.dpart = -1;
-  s.total = s.tot + 4 * kIntraDK * 4;
+  s.total = s.tot + 4 * kIntraSliceKeys * 4;
   return s;
 }
 

@@ -179,15 +179,15 @@ __device__ __forceinline__ void store_segment_state(const float (&S)[DK / 8][4],
 // sub-chunk i-1: A_ij = (qloc_i 2^{sum_{j<l<i} Tot_l}) kloc_j^T, every factor <= 1.
 // TABLE: the factors of the far blocks come from ofac (three rows of DK: 2^{Tot_1}, 2^{Tot_2},
 // 2^{Tot_1 + Tot_2}, written once per chunk by the warp-specialised kernel's write phase) instead
-// of exp2 per k-step here.
+// of exp2 per k-step here. offdiag_accumulate adds the DK keys of qw/kw (tot's pitch DK) to acc,
+// even and odd k-steps apart (four independent mma chains instead of two); offdiag_store sums
+// them and writes the block to A.
 template <int DK, typename X, bool TABLE = false>
-__device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16_t* qw, const uint16_t* kw, int pq,
-                                              const float* tot, int i, int j, int lane, const float* ofac = nullptr) {
+__device__ __forceinline__ void offdiag_accumulate(float (&acc)[2][2][4], const uint16_t* qw, const uint16_t* kw,
+                                                   int pq, const float* tot, int i, int j, int lane,
+                                                   const float* ofac = nullptr) {
   auto qo = [&](int r, int c) { return r * pq + c; };
-  auto ao = [&](int r, int c) { return r * pa + c; };
-  const int mi = lane >> 3, fr = lane >> 2, fc = fc_of(lane);
-  // Even and odd k-steps accumulate separately: four independent mma chains instead of two.
-  float acc[2][2][4] = {};
+  const int mi = lane >> 3, fc = fc_of(lane);
   const int arow = i * 16 + (lane & 7) + (mi & 1) * 8, acol = (mi >> 1) * 8;
   const int brow = j * 16 + (lane & 7) + (mi >> 1) * 8, bcol = (mi & 1) * 8;
 #pragma unroll
@@ -224,15 +224,28 @@ __device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16
     X::mma(acc[kk & 1][0], a, b[0], b[1]);
     X::mma(acc[kk & 1][1], a, b[2], b[3]);
   }
+}
+
+template <typename X>
+__device__ __forceinline__ void offdiag_store(uint16_t* As, int pa, const float (&acc)[2][2][4], int i, int j, int lane) {
+  const int fr = lane >> 2, fc = fc_of(lane);
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const int row = i * 16 + fr, col = j * 16 + nt * 8 + fc;
     float r[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) r[e] = acc[0][nt][e] + acc[1][nt][e];
-    *reinterpret_cast<uint32_t*>(As + ao(row, col)) = X::pack(r[0], r[1]);
-    *reinterpret_cast<uint32_t*>(As + ao(row + 8, col)) = X::pack(r[2], r[3]);
+    *reinterpret_cast<uint32_t*>(As + row * pa + col) = X::pack(r[0], r[1]);
+    *reinterpret_cast<uint32_t*>(As + (row + 8) * pa + col) = X::pack(r[2], r[3]);
   }
+}
+
+template <int DK, typename X, bool TABLE = false>
+__device__ __forceinline__ void offdiag_block(uint16_t* As, int pa, const uint16_t* qw, const uint16_t* kw, int pq,
+                                              const float* tot, int i, int j, int lane, const float* ofac = nullptr) {
+  float acc[2][2][4] = {};
+  offdiag_accumulate<DK, X, TABLE>(acc, qw, kw, pq, tot, i, j, lane, ofac);
+  offdiag_store<X>(As, pa, acc, i, j, lane);
 }
 
 // One pivot level's products inside sub-chunk `sub` (level copy `src`, half size H): one m16n8 tile
@@ -291,8 +304,8 @@ __device__ __forceinline__ void load_v_fragments(uint32_t (&vf)[4][4], const uin
 
 // o^T (this warp's 16 value rows x 64 tokens) = S^T qg^T + V^T A^T. S^T is the A operand straight
 // from the accumulator registers (rounded to 16 bits); A is zero above the diagonal, so its upper
-// k-blocks are skipped.
-template <int DK, typename X>
+// k-blocks are skipped. INTRA false: S^T qg^T alone (the key split's first half).
+template <int DK, typename X, bool INTRA = true>
 __device__ __forceinline__ void o_tile(float (&acc)[8][4], const float (&S)[DK / 8][4], const uint32_t (&vf)[4][4],
                                        const uint16_t* qw, int pq, const uint16_t* As, int pa, int lane) {
   const int mi = lane >> 3;
@@ -313,7 +326,7 @@ __device__ __forceinline__ void o_tile(float (&acc)[8][4], const float (&S)[DK /
     }
   }
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
+  for (int kk = 0; kk < 4 && INTRA; ++kk) {
 #pragma unroll
     for (int nt2 = 0; nt2 < 4; ++nt2) {
       if (kk > nt2) continue;  // A is zero above the diagonal
