@@ -40,7 +40,9 @@ and behind queued GPU work (a hidden synchronisation shows as the queue's time)
 layer's chunk_gla call captured inside the model on each kernel set; its in-model gradients against
 the cpu backend (fp32) and against the same kernel called alone on the same tensors, and the two
 runs' inputs against each other (fla_model_dropin_layer_grads_<configs>.json). --grads-only: step 1
-alone (fla_model_dropin_grads_<configs>.json).
+alone (fla_model_dropin_grads_<configs>.json). --profile-step: training steps of each kernel set under
+torch.profiler, GPU busy time against wall time and the kernels by GPU time
+(fla_model_dropin_profile_<configs>.json).
 --configs 1024x8 and --configs 2048x4 in two calls keep each call short (each is a same-run
 comparison of the two kernel sets on its own).
 """
@@ -71,6 +73,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--decode-rounds", type=int, default=4, help="decode-rate rounds per kernel set (--decode-only)")
     p.add_argument("--quick", action="store_true", help="T512, 10 steps, short generations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fla-tune-ms", metavar="WARMUP,REP",
@@ -83,6 +86,9 @@ def parse_args():
                    help="only capture every layer's chunk_gla call inside the bf16 model (one batch), once per kernel "
                         "set, and compare its in-model gradients with the cpu backend's (fp32) and with the same "
                         "kernel called alone on those exact tensors")
+    p.add_argument("--profile-step", action="store_true",
+                   help="only profile training steps on each kernel set (torch.profiler): GPU busy time per "
+                        "step against wall time, and the kernels that take the most GPU time")
     p.add_argument("--grads-only", action="store_true",
                    help="only step 1 (gradients of both kernel sets and the fp32 references on one batch)")
     p.add_argument("--plot-only", metavar="JSON", help="only redraw the PNG from a saved JSON (no GPU, no fla)")
@@ -314,15 +320,29 @@ def recurrent_host_time(model, name, batch, prompt_len, new_tokens):
             torch.cuda.synchronize()
             # behind ~2 ms of GPU work: a call that waits for the device (a hidden synchronisation)
             # takes the rest of the sleep on the host, one that only queues takes its usual time
-            behind = []
+            # with a fresh cu_seqlens each time, as each decode step has (libgla copies a new
+            # device cu_seqlens to the host once: the first layer's call of a step waits)
+            behind, behind_fresh = [], []
             for _ in range(5):
                 torch.cuda._sleep(4_000_000)
                 start = time.perf_counter()
                 inner(*args, **kwargs)
                 behind.append(time.perf_counter() - start)
                 torch.cuda.synchronize()
+            fresh = dict(kwargs)
+            for _ in range(5 if torch.is_tensor(kwargs.get("cu_seqlens")) else 0):
+                torch.cuda._sleep(4_000_000)
+                fresh["cu_seqlens"] = kwargs["cu_seqlens"].clone()
+                start = time.perf_counter()
+                inner(*args, **fresh)
+                behind_fresh.append(time.perf_counter() - start)
+                torch.cuda.synchronize()
+    layers = ARGS.layers
+    by_layer = [1e6 * statistics.median(spent[i::layers]) for i in range(layers)] if len(spent) >= layers else []
     out = {"calls": len(spent), "mean_us": 1e6 * sum(spent) / max(1, len(spent)), "share": sum(spent) / total,
+           "median_us_by_layer": by_layer,
            "alone_us": 1e6 * alone, "behind_gpu_work_us": 1e6 * statistics.median(behind),
+           "behind_gpu_work_fresh_cu_seqlens_us": 1e6 * statistics.median(behind_fresh) if behind_fresh else None,
            "arguments": {k: (list(v.shape), str(v.dtype), list(v.stride())) if torch.is_tensor(v) else v
                          for k, v in kwargs.items()}}
     if name == "libgla":
@@ -449,13 +469,13 @@ def run_config(hidden, heads, batches):
 
 def run_decode(hidden, heads):
     """Step 4 alone, on fla's initial weights (the decode rate does not depend on them): both kernel
-    sets timed in turn, four rounds, the median rate of each kept (and every round's printed)."""
+    sets timed in turn, --decode-rounds rounds, the median rate of each kept (and every round's printed)."""
     print(f"\n=== decode only: hidden {hidden}, {heads} heads, {ARGS.layers} layers, batch {ARGS.decode_batch} ===",
           flush=True)
     model = build(hidden, heads, ARGS.layers, torch.bfloat16).eval()
     new = 16 if ARGS.quick else 128
     rounds = {"fla": [], "libgla": []}
-    for _ in range(4):  # the kernel sets in turn: drift of the machine weighs on both alike
+    for _ in range(ARGS.decode_rounds):  # the kernel sets in turn: drift of the machine weighs on both alike
         for name in rounds:
             rounds[name].append(decode_rate(model, name, ARGS.decode_batch, 128, new))
     rates = {name: statistics.median(r) for name, r in rounds.items()}
@@ -469,6 +489,8 @@ def run_decode(hidden, heads):
         print(f"  {name} fused_recurrent_gla: {h['calls']} calls, {h['mean_us']:.1f} us each on the host, "
               f"{h['share'] * 100:.1f}% of the generate's wall time; the first call's arguments alone "
               f"{h['alone_us']:.1f} us, behind ~2 ms of queued GPU work {h['behind_gpu_work_us']:.1f} us "
+              f"(with a fresh cu_seqlens {h['behind_gpu_work_fresh_cu_seqlens_us'] or float('nan'):.1f} us); "
+              f"median by layer {' '.join(f'{x:.0f}' for x in h['median_us_by_layer'])} us "
               f"{h.get('decision', '')}", flush=True)
     print(f"  arguments of the first call: {host['libgla']['arguments']}", flush=True)
     return {"hidden": hidden, "heads": heads, "layers": ARGS.layers, "decode_tokens_per_s": rates,
@@ -581,6 +603,61 @@ def main_grads_only():
     print(f"\nwrote {stem}.json")
 
 
+def profile_step(name, hidden, heads, batches):
+    """Training steps of one kernel set under torch.profiler: per step, the wall time, the GPU time
+    summed over kernels (and memcpy/memset), and the kernels ranked by total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    model = build(hidden, heads, ARGS.layers, torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=ARGS.lr, weight_decay=0.01)
+
+    def step(batch):
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    profiled = 3
+    with kernels(name):
+        for batch in batches[:5]:
+            step(batch.cuda())
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for batch in batches[5:5 + profiled]:
+                step(batch.cuda())
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / profiled
+    per_kernel = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = per_kernel.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time
+    busy = sum(t for _, t in per_kernel.values()) / profiled / 1e3
+    print(f"\n--- {name}: hidden {hidden}, {heads} heads: wall {wall * 1e3:.1f} ms/step, GPU kernels {busy:.1f} ms/step")
+    print(f"{'ms/step':>8} {'calls':>6}  kernel")
+    for kname, (count, total) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:30]:
+        print(f"{total / profiled / 1e3:8.3f} {count // profiled:6d}  {kname[:110]}")
+    del model, opt
+    torch.cuda.empty_cache()
+    return {"wall_ms": wall * 1e3, "gpu_ms": busy,
+            "kernels": {k: [c // profiled, t / profiled / 1e3] for k, (c, t) in per_kernel.items()}}
+
+
+def main_profile_step():
+    batches = markov_batches(8, ARGS.batch, ARGS.seq_len, ARGS.seed)
+    results = []
+    for spec in ARGS.configs.split(","):
+        hidden, heads = (int(x) for x in spec.split("x"))
+        results.append({"hidden": hidden, "heads": heads,
+                        **{name: profile_step(name, hidden, heads, batches) for name in ("fla", "libgla")}})
+    stem = os.path.join(ARGS.out, "fla_model_dropin_profile_" + ARGS.configs.replace(",", "_"))
+    with open(stem + ".json", "w") as f:
+        json.dump({"args": vars(ARGS), "results": results}, f, indent=1)
+    print(f"\nwrote {stem}.json")
+
+
 def main_decode_only():
     results = [run_decode(*(int(x) for x in spec.split("x"))) for spec in ARGS.configs.split(",")]
     stem = os.path.join(ARGS.out, "fla_model_dropin_decode_" + ARGS.configs.replace(",", "_"))
@@ -609,6 +686,8 @@ def main():
         return main_layer_grads()
     if ARGS.grads_only:
         return main_grads_only()
+    if ARGS.profile_step:
+        return main_profile_step()
     batches = markov_batches(ARGS.steps, ARGS.batch, ARGS.seq_len, ARGS.seed)
     results = []
     for spec in ARGS.configs.split(","):
