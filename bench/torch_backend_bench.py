@@ -55,50 +55,6 @@ def gla_call(backend, backward):
     return run
 
 
-def experiment_call(backward, module, **variant):
-    """The `torch` backend with a body of bench/experiments/ installed (--experiment)."""
-    import importlib
-    import sys
-    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    body = importlib.import_module(module)
-    shipped = gla_call("torch", backward)
-
-    def run(*args):
-        with body.installed(**variant):
-            return shipped(*args)
-    return run
-
-
-# id: (module under bench/experiments, its installed() arguments, also on the CPU (fp32))
-EXPERIMENTS = {"scan": ("torch_gpu_body", dict(batched_scan=True), True),
-               "scan+ops16": ("torch_gpu_body", dict(batched_scan=True, operand_dtype=torch.bfloat16), False),
-               "ops16": ("torch_gpu_body", dict(batched_scan=False, operand_dtype=torch.bfloat16), False),
-               "compile": ("torch_compiled_body", dict(compile=True), True),
-               "compile+ops16": ("torch_compiled_body", dict(compile=True, operand_dtype=torch.bfloat16), False)}
-# scan: the block's state updates as one bmm and one addcmul a step; ops16: 16-bit matmul operands
-# with fp32 accumulation (16-bit inputs); compile: the functional body under torch.compile
-
-
-def chosen_experiments(args):
-    if not args.experiment:
-        return {}
-    if args.experiment == "all":
-        return EXPERIMENTS
-    names = [n.strip() for n in args.experiment.split(",")]
-    unknown = [n for n in names if n not in EXPERIMENTS]
-    if unknown:
-        raise SystemExit(f"--experiment: unknown {unknown}; choose from {list(EXPERIMENTS)}")
-    return {n: EXPERIMENTS[n] for n in names}
-
-
-def max_rel(a, b):
-    """The largest relative RMS difference between two results (tuples of tensors)."""
-    a, b = (a,) if torch.is_tensor(a) else a, (b,) if torch.is_tensor(b) else b
-    return max(((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item() for x, y in zip(a, b))
-
-
 def fla_call(backward):
     from fla.ops.gla import chunk_gla as fla_chunk_gla
 
@@ -178,18 +134,12 @@ def cpu_main(args):
               f"{args.threads} cores")
     for backward in (False, True):
         print("forward+backward" if backward else "forward")
-        variants = {n: e for n, e in chosen_experiments(args).items() if e[2]}  # fp32: no 16-bit operands
         fns = [gla_call("cpu", backward), gla_call("torch", backward)]
-        fns += [experiment_call(backward, module, **v) for module, v, _ in variants.values()]
-        (ref_wall, wall, *more_wall), (ref_cpu, cpu, *more_cpu) = time_cpu(fns, x, args.repeat)
+        (ref_wall, wall), (ref_cpu, cpu) = time_cpu(fns, x, args.repeat)
         ref = report("cpu backend", ref_wall)
         report("torch backend", wall, ref)
-        for name, w in zip(variants, more_wall):
-            report(f"torch, {name}", w, ref)
         ref = report("cpu backend, CPU time", ref_cpu)
         report("torch backend, CPU time", cpu, ref)
-        for name, c in zip(variants, more_cpu):
-            report(f"torch, {name}, CPU time", c, ref)
         print(f"  ({load()})")
 
 
@@ -236,26 +186,6 @@ def cuda_main(args):
         print(f"  {'torch backend extra peak':<28} {mem / 2**30:9.2f} GiB{ratio}")
         if args.profile:
             profile_cuda(fn, x)
-        if args.experiment:  # the experiment's variants against the shipped body, same inputs
-            shipped = time_cuda(fn, x, args.repeat)
-            expected = fn(*x)
-            report("torch backend (again)", shipped, ref)
-            for name, (module, variant, _) in chosen_experiments(args).items():
-                exp = experiment_call(True, module, **variant)
-                start = time.perf_counter()
-                try:
-                    diff = max_rel(exp(*x), expected)
-                except Exception as e:  # an experiment that fails is reported, the others still run
-                    print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    continue
-                print(f"  {name}: first call {time.perf_counter() - start:.1f} s (compiles, where it does)", flush=True)
-                med = report(f"torch, {name}", time_cuda(exp, x, args.repeat), ref)
-                mem = extra_peak_cuda(exp, x)
-                print(f"    {med / statistics.median(shipped):5.2f}x the shipped body's time, extra peak "
-                      f"{mem / 2**30:.2f} GiB, largest rel-RMS difference to it {diff:.2e}", flush=True)
-                if args.profile:
-                    profile_cuda(exp, x, top=12)
-            del expected
         del x
         torch.cuda.empty_cache()
 
@@ -268,9 +198,6 @@ def main():
     ap.add_argument("--profile", action="store_true", help="with --cuda: one call of the torch backend "
                     "under torch.profiler (kernel time, launches, top kernels)")
     ap.add_argument("--T", type=int, default=4096, help="CPU case length")
-    ap.add_argument("--experiment", nargs="?", const="all", default=None, metavar="NAMES",
-                    help="also time the variants of bench/experiments/ (not shipped) against the shipped body: all, "
-                         "or a comma-separated subset of: " + ",".join(EXPERIMENTS))
     ap.add_argument("--cases", default="0,1", help="with --cuda: which of the two GPU cases (0: B8 T4096 H16 D128, "
                     "1: B8 T2048 H4 K256 V512)")
     args = ap.parse_args()

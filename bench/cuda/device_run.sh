@@ -117,16 +117,6 @@ for step in "$@"; do
       # call under torch.profiler: kernel time against wall time, launches, top kernels
       PYTHONPATH=python GLA_LIBRARY=build-cuda/libgla.so LD_LIBRARY_PATH=build-cuda PYTHONUNBUFFERED=1 \
         timeout ${TORCHPROF_TIMEOUT:-200} python3 bench/torch_backend_bench.py --cuda --repeat 5 --profile 2>&1 | tee "$LOG/torchprof.log" ;;
-    torchexp) # the torch backend's experiments (bench/experiments/: batched scan, 16-bit operands,
-      # torch.compile) against the shipped body and fla (carry .whl-fla), same process: times, extra
-      # peak, difference to the shipped body; the compiled variants compile for minutes on first use.
-      # TORCHEXP_ARGS="--experiment scan,ops16 --cases 0" picks variants (ids in the script) and cases
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fla .whl-fla/*.whl
-      autotune_seed
-      PYTHONPATH=/tmp/site_fla:python GLA_LIBRARY=build-cuda/libgla.so LD_LIBRARY_PATH=build-cuda PYTHONUNBUFFERED=1 \
-        timeout ${TORCHEXP_TIMEOUT:-540} python3 bench/torch_backend_bench.py --cuda --repeat 10 --experiment \
-        ${TORCHEXP_ARGS:-} 2>&1 | tee "$LOG/torchexp.log" | grep -v Warn
-      autotune_harvest ;;
     *) echo "unknown step $step" ;;
   esac
 done
