@@ -90,7 +90,6 @@ std::vector<std::pair<size_t, size_t>> regions(const Planned& r) {
   const BackwardParams& p = r.p;
   const BackwardPlan& plan = r.plan;
   const size_t states = static_cast<size_t>(p.num_chunks) * p.H * p.K * p.V * 2;
-  const int64_t Kg = p.gate_per_head ? 1 : p.K;
   std::vector<std::pair<size_t, size_t>> out = {{plan.chunk_offsets, (p.N + 1) * sizeof(int64_t)},
                                                 {plan.states, states},
                                                 {plan.state_grads, states}};
@@ -103,7 +102,6 @@ std::vector<std::pair<size_t, size_t>> regions(const Planned& r) {
     out.push_back({plan.segment_decay, blocks * 64 * 4});
   }
   if (p.dv != nullptr) {
-    out.push_back({plan.reversed_gate, static_cast<size_t>(p.B) * p.T * p.H * Kg * 2});
     if (p.varlen) out.push_back({plan.reversed_offsets, (p.N + 1) * sizeof(int64_t)});
     if (p.dht != nullptr) out.push_back({plan.reversed_dht, static_cast<size_t>(p.N) * p.H * p.K * p.V * 4});
     if (!cuda::backward::values_from_do(p)) out.push_back({plan.zero_values, static_cast<size_t>(p.B) * p.T * p.H * p.V * 2});
@@ -191,12 +189,11 @@ TEST(CudaBackwardPlan, WorkspaceRegionsFollowTheCall) {
   EXPECT_EQ(base.plan.gate_partials, 0u);
   EXPECT_EQ(base.plan.zero_values, 0u);
   EXPECT_EQ(base.plan.reversed_dht, 0u);
-  EXPECT_GT(base.plan.reversed_gate, 0u);
   expect_layout(base);
   const Planned no_dv = plan_for({.dv = false});
-  EXPECT_EQ(no_dv.plan.reversed_gate, 0u);
   EXPECT_EQ(no_dv.plan.values_workspace, 0u);
-  EXPECT_LT(no_dv.plan.workspace_bytes, base.plan.workspace_bytes);
+  // dv's reversed forward reads the caller's tensors in place: nothing of its own here.
+  EXPECT_EQ(no_dv.plan.workspace_bytes, base.plan.workspace_bytes);
   expect_layout(no_dv);
   for (const Shape& s : {Shape{.dout = false}, Shape{.scale = 0.0f}}) {
     const Planned r = plan_for(s);
@@ -219,7 +216,7 @@ TEST(CudaBackwardPlan, WorkspaceRegionsFollowTheCall) {
 }
 
 // dv's problem: q' = k, k' = q, v' = do, o' = dv, each reversed in time (the last token first,
-// negative time stride); the gate is the workspace's shifted copy; dht / scale the initial state.
+// negative time stride); the gate read one token late; dht / scale the initial state.
 TEST(CudaBackwardPlan, ReversedForwardSwapsAndReversesTheInputs) {
   const Planned r = plan_for({.B = 2, .T = 100, .H = 3, .K = 64, .V = 32, .dht = true});
   std::vector<char> workspace(1);  // only its address is used
@@ -235,8 +232,11 @@ TEST(CudaBackwardPlan, ReversedForwardSwapsAndReversesTheInputs) {
   EXPECT_EQ(f.v_stride[1], -r.p.do_stride[1]);
   EXPECT_EQ(f.o_stride[1], -r.p.dv_stride[1]);
   EXPECT_EQ(f.q_stride[0], r.p.k_stride[0]);
-  EXPECT_EQ(f.g, ws + r.plan.reversed_gate);
-  EXPECT_EQ(f.g_stride[1], r.p.H * r.p.K);
+  // The gate is read in place, from the last token back, one token late (ForwardParams::gate_lag).
+  EXPECT_EQ(f.g, static_cast<const char*>(r.p.g) + last * r.p.g_stride[1] * 2);
+  EXPECT_EQ(f.g_stride[1], -r.p.g_stride[1]);
+  EXPECT_EQ(f.g_stride[0], r.p.g_stride[0]);
+  EXPECT_EQ(f.gate_lag, 1);
   EXPECT_EQ(static_cast<const void*>(f.initial_state), static_cast<const void*>(ws + r.plan.reversed_dht));
   EXPECT_EQ(f.scale, r.p.scale);
   EXPECT_EQ(f.K, r.p.K);

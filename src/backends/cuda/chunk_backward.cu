@@ -56,43 +56,8 @@ __global__ void gate_sum_kernel(BackwardParams p, int key_tiles, const float* pa
 // Time u of the reversed problem is token T - 1 - u. The forward's decay between a key at u_k and a
 // query at u_q >= u_k is the product of the gates at u_k + 1 .. u_q; the backward needs the gates of
 // tokens t + 1 .. t_k for a key at t_k >= t (its query), so the reversed gate at u is the gate of
-// token T - u (one token later), and 0 (no decay) at a sequence's first reversed token.
-
-// reversed_gate[b, u, h, :] = g[b, T - u, h, :] (raw bits), 0 where T - u = T; Kg = K (per-key) or 1.
-// Each thread moves one group of W elements (W * sizeof(Bits) = 16 bytes on the vector path).
-template <typename Bits, int W>
-__global__ void reversed_gate_kernel(BackwardParams p, Bits* out) {
-  const int64_t Kg = p.gate_per_head ? 1 : p.K;
-  const int64_t groups_per_row = Kg / W, rows = p.B * p.T * p.H;
-  const Bits* g = static_cast<const Bits*>(p.g);
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < rows * groups_per_row;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = e / groups_per_row, c = (e % groups_per_row) * W;
-    const int64_t h = row % p.H, bu = row / p.H, u = bu % p.T, b = bu / p.T;
-    const int64_t t = p.T - u;  // the source token
-    Bits* dst = out + row * Kg + c;
-    if constexpr (W == 1) {
-      *dst = t < p.T ? g[b * p.g_stride[0] + t * p.g_stride[1] + h * p.g_stride[2] + c] : Bits(0);
-    } else {
-      *reinterpret_cast<uint4*>(dst) =
-          t < p.T ? *reinterpret_cast<const uint4*>(g + b * p.g_stride[0] + t * p.g_stride[1] + h * p.g_stride[2] + c)
-                  : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-// Varlen: the reversed gate is 0 at each non-empty sequence's first reversed token (the token after
-// the sequence's last belongs to the next sequence). Block m handles the sequence ending at cu[m].
-template <typename Bits>
-__global__ void reversed_gate_boundaries_kernel(BackwardParams p, Bits* out) {
-  const int64_t m = blockIdx.x + 1;
-  const Span s = sequence(p, m - 1);
-  const int64_t end = s.bos + s.len;
-  if (s.len == 0 || end >= p.T) return;
-  const int64_t Kg = p.gate_per_head ? 1 : p.K;
-  Bits* row = out + (p.T - end) * p.H * Kg;
-  for (int64_t e = threadIdx.x; e < p.H * Kg; e += blockDim.x) row[e] = Bits(0);
-}
+// token T - u (one token later), and 0 (no decay) at a sequence's first reversed token: the reversed
+// forward reads g in place that way (ForwardParams::gate_lag), with no copy.
 
 // The reversed varlen batch: sequence N - 1 - n first; offsets'[i] = T - cu[N - i].
 __global__ void reversed_offsets_kernel(BackwardParams p, int64_t* out) {
@@ -117,23 +82,6 @@ __global__ void reversed_dht_kernel(BackwardParams p, float factor, float* out) 
 
 cudaError_t launch_values(const BackwardParams& p, const BackwardPlan& plan, char* workspace, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
-  const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
-  const int64_t Kg = p.gate_per_head ? 1 : p.K;
-  const int64_t rows = p.B * p.T * p.H;
-  const bool vector = !p.gate_per_head && p.vector_gate;
-  const int64_t groups = vector ? rows * (Kg * gate_bytes / 16) : rows * Kg;
-  const unsigned blocks = static_cast<unsigned>(groups / 256 + 1 < 65535 * 4 ? groups / 256 + 1 : 65535 * 4);
-  void* gate = workspace + plan.reversed_gate;
-  if (gate_bytes == 4) {
-    if (vector) reversed_gate_kernel<uint32_t, 4><<<blocks, 256, 0, stream>>>(p, static_cast<uint32_t*>(gate));
-    else reversed_gate_kernel<uint32_t, 1><<<blocks, 256, 0, stream>>>(p, static_cast<uint32_t*>(gate));
-    if (p.varlen && p.N > 0) reversed_gate_boundaries_kernel<uint32_t><<<static_cast<unsigned>(p.N), 256, 0, stream>>>(p, static_cast<uint32_t*>(gate));
-  } else {
-    if (vector) reversed_gate_kernel<uint16_t, 8><<<blocks, 256, 0, stream>>>(p, static_cast<uint16_t*>(gate));
-    else reversed_gate_kernel<uint16_t, 1><<<blocks, 256, 0, stream>>>(p, static_cast<uint16_t*>(gate));
-    if (p.varlen && p.N > 0) reversed_gate_boundaries_kernel<uint16_t><<<static_cast<unsigned>(p.N), 256, 0, stream>>>(p, static_cast<uint16_t*>(gate));
-  }
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if (p.varlen) {
     reversed_offsets_kernel<<<1, 1024, 0, stream>>>(p, reinterpret_cast<int64_t*>(workspace + plan.reversed_offsets));
     if ((err = cudaGetLastError()) != cudaSuccess) return err;

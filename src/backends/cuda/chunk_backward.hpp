@@ -98,7 +98,6 @@ struct BackwardPlan {
   // dv by the reversed forward (dv wanted only; else values.kernel is unused and the sizes are 0):
   ForwardPlan values;              // the forward's plan for the reversed problem
   size_t values_workspace = 0;     // the forward's own workspace (values.workspace_bytes)
-  size_t reversed_gate = 0;        // g shifted by one token and reversed: [B, T, H, K or 1] in g's dtype
   size_t reversed_offsets = 0;     // int64 [N + 1]: cu_seqlens of the reversed varlen batch
   size_t reversed_dht = 0;         // fp32 [N, H, K, V]: dht / scale, sequences reversed with varlen
   size_t zero_values = 0;          // 16-bit [B, T, H, V] zeros: do absent or scale = 0

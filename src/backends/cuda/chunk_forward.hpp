@@ -47,6 +47,10 @@ struct ForwardParams {
   int32_t dtype;       // ElementType of q, k, v, o
   int32_t gate_dtype;  // ElementType of g
   int32_t gate_per_head;
+  // 1: the gate of token t is row t - 1 of g, and each sequence's first token has gate 0 (its row is
+  // not read). The backward's reversed forward reads the original gate in place this way: its gate
+  // at reversed token u is the gate of original token T - u, one token later than its q and k.
+  int32_t gate_lag;
   int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
   // Chunk-start states for the backward (null: none stored): before each chunk's update the chunk
   // kernels store the state block, rounded to bf16, at chunk_states + P * chunk_states_stride[0]

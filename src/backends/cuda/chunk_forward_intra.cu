@@ -48,7 +48,9 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   const int64_t t0 = seq.bos + c * kChunk;
   const char* qb = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + t0 * p.q_stride[1] + h * p.q_stride[2]) * esz;
   const char* kb = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + t0 * p.k_stride[1] + h * p.k_stride[2]) * esz;
-  const char* gb = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + t0 * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
+  // ForwardParams::gate_lag: token t's gate is row t - 1, the sequence's first token's is 0.
+  const char* gb = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + (t0 - p.gate_lag) * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
+  const int gate_row0 = p.gate_lag && c == 0 ? 1 : 0;  // rows below it read gate 0
   auto issue_slice = [&](int sl, int stage) {
     unsigned char* st = smem + stage * L.stage_bytes;
     const int key0 = sl * kSlice;
@@ -65,9 +67,9 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
         const int gpr = kSlice * gate_bytes / 16, gper = 16 / gate_bytes;
         for (int i = tid; i < kChunk * gpr; i += NT) {
           const int r = i / gpr, cc = i % gpr;
-          const bool ok = r < rows && key0 + cc * gper < p.K;
+          const bool ok = r < rows && r >= gate_row0 && key0 + cc * gper < p.K;
           cp_async16(st + L.g + (r * L.pg + cc * gper) * gate_bytes,
-                     ok ? gb + (r * p.g_stride[1] + key0 + cc * gper) * gate_bytes : gb, ok);
+                     ok ? gb + (r * p.g_stride[1] + key0 + cc * gper) * gate_bytes : p.g, ok);
         }
       }
     } else {
@@ -79,19 +81,20 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
         reinterpret_cast<uint16_t*>(st + L.k)[r * L.pq + cc] =
             ok ? reinterpret_cast<const uint16_t*>(kb)[r * p.k_stride[1] + key0 + cc] : uint16_t(0);
         if (!per_head) {
+          const bool gate_ok = ok && r >= gate_row0;
           if (gate_bytes == 4) {
             reinterpret_cast<float*>(st + L.g)[r * L.pg + cc] =
-                ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1] + key0 + cc] : 0.f;
+                gate_ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1] + key0 + cc] : 0.f;
           } else {
             reinterpret_cast<uint16_t*>(st + L.g)[r * L.pg + cc] =
-                ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1] + key0 + cc] : uint16_t(0);
+                gate_ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1] + key0 + cc] : uint16_t(0);
           }
         }
       }
     }
     if (per_head) {
       for (int r = tid; r < kChunk; r += NT) {
-        const bool ok = r < rows;
+        const bool ok = r < rows && r >= gate_row0;
         if (gate_bytes == 4) {
           reinterpret_cast<float*>(st + L.g)[r] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1]] : 0.f;
         } else {

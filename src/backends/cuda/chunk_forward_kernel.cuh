@@ -222,7 +222,9 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     const char* qb = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + t0 * p.q_stride[1] + h * p.q_stride[2]) * esz;
     const char* kb = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + t0 * p.k_stride[1] + h * p.k_stride[2]) * esz;
     const char* vb = static_cast<const char*>(p.v) + (seq.batch * p.v_stride[0] + t0 * p.v_stride[1] + h * p.v_stride[2] + v0) * esz;
-    const char* gb = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + t0 * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
+    // ForwardParams::gate_lag: token t's gate is row t - 1, the sequence's first token's is 0.
+    const char* gb = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + (t0 - p.gate_lag) * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
+    const int gate_row0 = p.gate_lag && chunk == 0 ? 1 : 0;  // rows below it read gate 0
     if (p.vector_loads) {
       constexpr int CPR = DK / 8;  // 16-byte pieces per q/k row
       for (int i = tid; i < kChunk * CPR; i += NT) {
@@ -242,9 +244,9 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
         const int gper = 16 / gate_bytes;
         for (int i = tid; i < kChunk * gpr; i += NT) {
           const int r = i / gpr, c = i % gpr;
-          const bool ok = r < rows && c * gper < p.K;
+          const bool ok = r < rows && r >= gate_row0 && c * gper < p.K;
           cp_async16(st + L.g + (r * L.pg + c * gper) * gate_bytes,
-                     ok ? gb + (r * p.g_stride[1] + c * gper) * gate_bytes : gb, ok);
+                     ok ? gb + (r * p.g_stride[1] + c * gper) * gate_bytes : p.g, ok);
         }
       }
     } else {
@@ -257,10 +259,11 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
         if (full) *qd = ok ? reinterpret_cast<const uint16_t*>(qb)[r * p.q_stride[1] + c] : uint16_t(0);
         *kd = ok ? reinterpret_cast<const uint16_t*>(kb)[r * p.k_stride[1] + c] : uint16_t(0);
         if (!per_head) {
+          const bool gate_ok = ok && r >= gate_row0;
           if (gate_bytes == 4) {
-            reinterpret_cast<float*>(st + L.g)[r * L.pg + c] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1] + c] : 0.f;
+            reinterpret_cast<float*>(st + L.g)[r * L.pg + c] = gate_ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1] + c] : 0.f;
           } else {
-            reinterpret_cast<uint16_t*>(st + L.g)[r * L.pg + c] = ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1] + c] : uint16_t(0);
+            reinterpret_cast<uint16_t*>(st + L.g)[r * L.pg + c] = gate_ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1] + c] : uint16_t(0);
           }
         }
       }
@@ -272,7 +275,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
     }
     if (per_head) {
       for (int r = tid; r < kChunk; r += NT) {
-        const bool ok = r < rows;
+        const bool ok = r < rows && r >= gate_row0;
         if (gate_bytes == 4) {
           reinterpret_cast<float*>(st + L.g)[r] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1]] : 0.f;
         } else {

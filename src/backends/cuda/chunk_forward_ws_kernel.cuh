@@ -238,7 +238,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     const int64_t q_rs = p.q_stride[1] * esz, k_rs = p.k_stride[1] * esz, g_rs = p.g_stride[1] * gate_bytes;
     const char* q_seq = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + seq.bos * p.q_stride[1] + h * p.q_stride[2] + lc * 8) * esz;
     const char* k_seq = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + seq.bos * p.k_stride[1] + h * p.k_stride[2] + lc * 8) * esz;
-    const char* g_seq = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + seq.bos * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
+    // ForwardParams::gate_lag: token t's gate is row t - 1, the sequence's first token's is 0.
+    const int lag = p.gate_lag;
+    const char* g_seq = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + (seq.bos - lag) * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
     auto issue_loads = [&](int64_t chunk) {
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
       const int64_t r0 = chunk * kChunk + lr0;
@@ -252,10 +254,11 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       for (int j = 0; j < kLoadIters; ++j) {
         const int r = lr0 + j * kRowStep;
         const bool ok = col_ok && r < rows;
+        const bool gate_ok = ok && !(lag && chunk == 0 && r == 0);
         const int so = (r * L.pr + lc * 8) * 2;
         if (full) cp_async16(smem + L.q + so, ok ? qr : p.q, ok);
         cp_async16(smem + L.k + so, ok ? kr : p.k, ok);
-        if (!per_head) cp_async16(smem + L.g + so, ok ? gr : p.g, ok);
+        if (!per_head) cp_async16(smem + L.g + so, gate_ok ? gr : p.g, gate_ok);
         qr += q_step;
         kr += k_step;
         gr += g_step;
@@ -264,7 +267,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       unsigned char* gst = smem + L.g;
       if (per_head) {
         for (int r = tid; r < kChunk; r += NP) {
-          const bool ok = r < rows;
+          const bool ok = r < rows && !(lag && chunk == 0 && r == 0);
           if (gate_bytes == 4) {
             reinterpret_cast<float*>(gst)[r] = ok ? *reinterpret_cast<const float*>(gb + r * g_rs) : 0.f;
           } else {

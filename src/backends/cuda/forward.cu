@@ -46,8 +46,9 @@ recurrent_forward_kernel(const __grid_constant__ ForwardParams p, int value_tile
       const int64_t t = seq.bos + t0 + tt;
       sq[tt * K + kk] = load_any(p.q, seq.batch * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2] + kk, p.dtype);
       sk[tt * K + kk] = load_any(p.k, seq.batch * p.k_stride[0] + t * p.k_stride[1] + h * p.k_stride[2] + kk, p.dtype);
-      const int64_t gi = seq.batch * p.g_stride[0] + t * p.g_stride[1] + h * p.g_stride[2] + (p.gate_per_head ? 0 : kk);
-      sg[tt * K + kk] = exp2f(kLog2e * load_any(p.g, gi, p.gate_dtype));
+      // ForwardParams::gate_lag: token t's gate is row t - 1, the sequence's first token's is 0.
+      const int64_t gi = seq.batch * p.g_stride[0] + (t - p.gate_lag) * p.g_stride[1] + h * p.g_stride[2] + (p.gate_per_head ? 0 : kk);
+      sg[tt * K + kk] = p.gate_lag && t0 + tt == 0 ? 1.f : exp2f(kLog2e * load_any(p.g, gi, p.gate_dtype));
     }
     if (tid < nt * 32) {
       const int tt = tid >> 5;

@@ -15,15 +15,16 @@ namespace backward {
 bool values_from_do(const BackwardParams& p) { return p.do_ != nullptr && p.scale != 0.0f; }
 
 // The forward problem whose output is dv: q' = k, k' = q, v' = do, all reversed in time (negative
-// time strides from the last token), g' the reversed gate, o' = dv reversed.
+// time strides from the last token), o' = dv reversed, and g' = g reversed and read one token late
+// (ForwardParams::gate_lag: g' at reversed token u is g of token T - u, 0 at a sequence's first).
 ForwardParams reversed_forward(const BackwardParams& p, const BackwardPlan& plan, char* workspace) {
   ForwardParams f{};
   const int64_t last = p.T > 0 ? p.T - 1 : 0;
-  auto reversed = [&](const void* base, const int64_t* s, int64_t* out) -> const char* {
+  auto reversed = [&](const void* base, const int64_t* s, int64_t* out, int64_t element_bytes = 2) -> const char* {
     out[0] = s[0];
     out[1] = -s[1];
     out[2] = s[2];
-    return base == nullptr ? nullptr : static_cast<const char*>(base) + last * s[1] * 2;
+    return base == nullptr ? nullptr : static_cast<const char*>(base) + last * s[1] * element_bytes;
   };
   f.q = reversed(p.k, p.k_stride, f.q_stride);
   f.k = reversed(p.q, p.q_stride, f.k_stride);
@@ -31,11 +32,8 @@ ForwardParams reversed_forward(const BackwardParams& p, const BackwardPlan& plan
   f.v = values_from_do(p) ? reversed(p.do_, p.do_stride, f.v_stride)
                           : reversed(workspace ? workspace + plan.zero_values : nullptr, zero_stride, f.v_stride);
   f.o = const_cast<char*>(reversed(p.dv, p.dv_stride, f.o_stride));
-  const int64_t Kg = p.gate_per_head ? 1 : p.K;
-  f.g = workspace ? workspace + plan.reversed_gate : nullptr;
-  f.g_stride[0] = p.T * p.H * Kg;
-  f.g_stride[1] = p.H * Kg;
-  f.g_stride[2] = Kg;
+  f.g = reversed(p.g, p.g_stride, f.g_stride, p.gate_dtype == kF32 ? 4 : 2);
+  f.gate_lag = 1;
   if (p.dht != nullptr) {
     f.initial_state = workspace ? reinterpret_cast<const float*>(workspace + plan.reversed_dht) : nullptr;
     f.h0_stride[0] = p.H * p.K * p.V;
@@ -57,7 +55,8 @@ ForwardParams reversed_forward(const BackwardParams& p, const BackwardPlan& plan
   f.dtype = p.dtype;
   f.gate_dtype = p.gate_dtype;
   f.gate_per_head = p.gate_per_head;
-  f.vector_loads = p.vector_loads && p.vector_dv;
+  // The gate's rows are read in place: the cp.async path needs them 16-byte aligned too.
+  f.vector_loads = p.vector_loads && p.vector_dv && (p.gate_per_head || p.vector_gate);
   if (plan.state_grads_by_values && workspace != nullptr) {
     // Reversed chunk r of (reversed) sequence n' is original chunk NC - 1 - r of its sequence, at
     // state_grads[first chunk + NC - 1 - r]: without varlen sequence n' is row n' (first chunk
@@ -156,9 +155,6 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
     // The reversed varlen batch has the same lengths in reverse order (the segment planner and the
     // longest-first block order see the reversed offsets).
     plan.values = plan_forward(backward::reversed_forward(p, plan, nullptr), reversed_offsets.data(), sm_count);
-    const int64_t Kg = p.gate_per_head ? 1 : p.K;
-    plan.reversed_gate = at;
-    at = align256(at + static_cast<size_t>(p.B) * p.T * p.H * Kg * (p.gate_dtype == kF32 ? 4 : 2));
     if (p.varlen) {
       plan.reversed_offsets = at;
       at = align256(at + static_cast<size_t>(p.N + 1) * sizeof(int64_t));
