@@ -1,7 +1,7 @@
 // Standalone harness for the CUDA forward kernels (no libgla core needed): correctness against an
 // fp64 token loop on the host, and CUDA-event timings.
 //   harness check              correctness grid (small shapes)
-//   harness bench B T H D ...  timings (median of 30) for shapes given as BxTxHxD, or "varlen"
+//   harness bench B T H D ...  timings (median of 30) for shapes given as BxTxHxD (BxTxHxDh: fp16), or "varlen"
 //   harness first              first-call latency in this fresh process
 #include <algorithm>
 #include <chrono>
@@ -434,6 +434,7 @@ static Case parse_shape(const std::string& s) {
     std::sscanf(s.c_str(), "%lldx%lldx%lldx%lld", &B, &T, &H, &D);
     c.B = B; c.T = T; c.H = H; c.K = c.V = D;
   }
+  if (!s.empty() && s.back() == 'h') c.dtype = kF16;  // "BxTxHxDh": fp16 inputs (default bf16)
   c.name = s;
   return c;
 }

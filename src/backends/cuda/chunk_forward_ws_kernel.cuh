@@ -26,6 +26,8 @@
 // split (KEYHALF below). Everything else runs the single-role kernel (the planner decides).
 #pragma once
 
+#include <type_traits>
+
 #include "backends/cuda/chunk_layout.hpp"
 #include "backends/cuda/chunk_tile_ops.cuh"
 #include "backends/cuda/device_utils.cuh"
@@ -166,6 +168,13 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   constexpr int kWarpsPerItemRow = DK / 64;  // warps per (sub-chunk, half): DK/2 column pairs
   constexpr int DPS = ws_dpart_stride(HALVES);
   constexpr bool kFarTable = ws_far_factor_table(DK, HALVES);
+  // The state group's products under a run-time branch that always holds: for the bf16 instances
+  // at DK = 128 without a key split, ptxas otherwise spreads their register use over the loop and
+  // the full pass spills 120 B (about 20 local loads per chunk, most in the prep group); with the
+  // branch 8 B. H200, same call: B8 T4096 H16 D128 0.377 against 0.489 ms, B1 T32768 0.533
+  // against 0.630. Elsewhere it measured slower (fp16 D128 0.388 / 0.375, the key split's halves
+  // at K = V = 256 2.76 / 2.24, D64 0.360 / 0.348 ms), so those instances keep the plain code.
+  constexpr bool kProductsBranch = DK == 128 && KEYHALF == 0 && std::is_same_v<E, __nv_bfloat16>;
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -635,10 +644,18 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       // qg, kg, A, decay of chunk c are published
       mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
       float acc[8][4] = {};
-      // The first key half has no intra-chunk term (its A slots stay zero): its 20 A v mmas skipped.
-      if (full) o_tile<DK, X, KEYHALF != 1>(acc, S, vf, qw, L.pq, As, L.pa, lane);
-      if (full && p.chunk_states != nullptr) store_chunk_state<DK>(S, p, seq.batch, seq.bos, c, h, v0, vrow, lane);
-      state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
+      if constexpr (kProductsBranch) {
+        if (full && p.chunk_states != nullptr) store_chunk_state<DK>(S, p, seq.batch, seq.bos, c, h, v0, vrow, lane);
+        if (rows > 0) {  // always: kProductsBranch says why
+          if (full) o_tile<DK, X, true>(acc, S, vf, qw, L.pq, As, L.pa, lane);
+          state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
+        }
+      } else {
+        // The first key half has no intra-chunk term (its A slots stay zero): its 20 A v mmas skipped.
+        if (full) o_tile<DK, X, KEYHALF != 1>(acc, S, vf, qw, L.pq, As, L.pa, lane);
+        if (full && p.chunk_states != nullptr) store_chunk_state<DK>(S, p, seq.batch, seq.bos, c, h, v0, vrow, lane);
+        state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
+      }
       // Done with the slot.
       mbar_arrive(mbars + 16 + 8 * slot);
 
