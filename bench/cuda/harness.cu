@@ -1,7 +1,8 @@
 // Standalone harness for the CUDA forward kernels (no libgla core needed): correctness against an
 // fp64 token loop on the host, and CUDA-event timings.
 //   harness check              correctness grid (small shapes)
-//   harness bench B T H D ...  timings (median of 30) for shapes given as BxTxHxD (BxTxHxDh: fp16), or "varlen"
+//   harness bench B T H D ...  timings (median of 30) for shapes given as BxTxHxD (suffix h: fp16; s: the
+//                               chunk states stored too, as the training forward does), or "varlen"
 //   harness first              first-call latency in this fresh process
 #include <algorithm>
 #include <chrono>
@@ -54,6 +55,7 @@ struct Case {
   bool randn = false;
   double gate_floor = 0.0;
   bool h0 = true, ht = true, v_first = false;
+  bool chunk_states = false;  // the forward also stores the bf16 chunk-start states (training's forward)
   std::vector<int64_t> cu;
   std::string name;
 };
@@ -101,6 +103,7 @@ struct Dev {
   void *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr, *o = nullptr, *cu = nullptr;
   float *h0 = nullptr, *ht = nullptr;
   void* ws = nullptr;
+  uint16_t* states = nullptr;
 };
 
 struct Problem {
@@ -237,10 +240,18 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
   // GLA_ORDER=0 (harness only, A/B): the natural block order.
   if (const char* o = std::getenv("GLA_ORDER"); o != nullptr && std::atoi(o) == 0) P.plan.block_order_count = 0;
   if (P.plan.workspace_bytes) CK(cudaMalloc(&P.d.ws, P.plan.workspace_bytes));
+  if (c.chunk_states) {  // [chunks, H, K, V] bf16, as the cuda backend passes them
+    const int64_t chunks = c.cu.empty() ? c.B * ((c.T + 63) / 64) : (c.T + 63) / 64;
+    CK(cudaMalloc(&P.d.states, size_t(chunks) * c.H * c.K * c.V * 2));
+    P.p.chunk_states = P.d.states;
+    P.p.chunk_states_stride[0] = P.p.chunk_states_stride[1] = c.H * c.K * c.V;
+    P.p.chunk_states_stride[2] = c.K * c.V;
+    P.p.chunk_states_stride[3] = c.V;
+  }
 }
 
 static void release(Problem& P) {
-  for (void* x : {P.d.q, P.d.k, P.d.v, P.d.g, P.d.o, P.d.cu, (void*)P.d.h0, (void*)P.d.ht, P.d.ws})
+  for (void* x : {P.d.q, P.d.k, P.d.v, P.d.g, P.d.o, P.d.cu, (void*)P.d.h0, (void*)P.d.ht, P.d.ws, (void*)P.d.states})
     if (x) cudaFree(x);
   P.d = Dev{};
 }
@@ -434,7 +445,11 @@ static Case parse_shape(const std::string& s) {
     std::sscanf(s.c_str(), "%lldx%lldx%lldx%lld", &B, &T, &H, &D);
     c.B = B; c.T = T; c.H = H; c.K = c.V = D;
   }
-  if (!s.empty() && s.back() == 'h') c.dtype = kF16;  // "BxTxHxDh": fp16 inputs (default bf16)
+  // Suffixes: "h" fp16 inputs (default bf16), "s" the chunk states stored too ("BxTxHxDhs": both).
+  for (size_t i = s.find_last_of("0123456789") + 1; i < s.size() && s != "varlen"; ++i) {
+    if (s[i] == 'h') c.dtype = kF16;
+    if (s[i] == 's') c.chunk_states = true;
+  }
   c.name = s;
   return c;
 }
