@@ -169,8 +169,8 @@ __device__ __forceinline__ void store_chunk_state(const float (&S)[DK / 8][4], c
 // whose V is a multiple of 8 (16-byte rows): lanes l and l ^ 4 hold value rows fr and fr ^ 1 of the
 // same keys, so each swaps one entry of every row pair with the other (paired_entries); the even
 // lane then holds key fc at values (fr, fr + 1), the odd lane key fc + 1. Half the stores of
-// store_chunk_state's 16-bit ones. H200, B8 T4096 H16 D128 forward with the states: 0.4624-0.4656
-// -> 0.4561 ms (bf16), 0.4558 -> 0.4446 (fp16).
+// store_chunk_state's 16-bit ones. H200 harness, forward with the states: B8 T4096 H16 D128 0.463 ->
+// 0.446 ms (bf16), 0.456 -> 0.445 (fp16); K = V = 256 B8 T2048 H4 0.494 -> 0.480.
 __device__ __forceinline__ uint32_t paired_entries(float mine_lo, float mine_hi, bool odd) {
   const float got = __shfl_xor_sync(0xffffffffu, odd ? mine_lo : mine_hi, 4);
   return Elem<__nv_bfloat16>::pack(odd ? got : mine_lo, odd ? mine_hi : got);
@@ -197,7 +197,7 @@ __device__ __forceinline__ void store_chunk_state_paired(const float (&S)[DK / 8
 }
 
 // store_chunk_state_paired tile by tile (tile(S[j], j)), for a caller that spreads the stores over
-// its products (state_update's STORE): B4 T8192 H32 D64 forward with the states 0.3900 -> 0.3674 ms.
+// its products (state_update's STORE): B4 T8192 H32 D64 forward with the states 0.392 -> 0.367 ms.
 struct ChunkStateStore {
   uint16_t* row = nullptr;  // this lane's first entry; null: nothing to store
   int key_stride = 0;
