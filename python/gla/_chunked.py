@@ -645,22 +645,24 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     counts, firsts = layout.step_count, layout.step_start
     blocks = layout.step_blocks(_row_bytes(layout, H, K, V, cd, True), _block_budget(q.device))
-    # B0: the state each chunk enters, h [chunks, H, K, V] (the one full-size intermediate)
+    # B0: the state each chunk enters, h [chunks, H, K, V] (the one full-size intermediate). Step c
+    # writes chunk c + 1's entry straight from chunk c's (the sequences with a chunk c + 1 are a
+    # prefix of those with a chunk c), so no running state is copied, and no sequence's state after
+    # its last chunk is formed.
     ws = _scratch.for_call(cd, q.device)
-    S = _running_state(layout, h0, H, K, V, cd, q.device)
     h = q.new_empty(layout.total, H, K, V, dtype=cd)
+    if counts:
+        h[:counts[0]].copy_(_running_state(layout, h0, H, K, V, cd, q.device)[:counts[0]])
     for c0, c1 in blocks:
         p0, p1 = layout.rows_of(c0, c1)
         kb, vb = layout.load(k, p0, p1, cd, ws, "k"), layout.load(v, p0, p1, cd, ws, "v")
         dec = decays(layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd)), ws, from_start=False)
         kb.mul_(dec.to_end)
-        for c in range(c0, c1):
-            a, n = firsts[c] - p0, counts[c]
-            h[firsts[c]:firsts[c] + n].copy_(S[:n])
-            Sn = S[:n].flatten(0, 1)
-            Sn.mul_(_flat3(dec.whole, a, n).unsqueeze(-1))
-            Sn.baddbmm_(_flat3(kb, a, n).transpose(-1, -2), _flat3(vb, a, n))
-    del S
+        for c in range(c0, min(c1, len(counts) - 1)):
+            a, n = firsts[c] - p0, counts[c + 1]
+            entry = h[firsts[c + 1]:firsts[c + 1] + n].flatten(0, 1)
+            torch.mul(h[firsts[c]:firsts[c] + n].flatten(0, 1), _flat3(dec.whole, a, n).unsqueeze(-1), out=entry)
+            entry.baddbmm_(_flat3(kb, a, n).transpose(-1, -2), _flat3(vb, a, n))
     # B1 (reverse scan, blocks in reverse) and, per block, B2-B5
     # A sequence's entry is untouched (dht) until the step of its last chunk: steps only update
     # the prefix of sequences that have that chunk.
