@@ -1,7 +1,7 @@
 """What the `torch` backend's body moves on an accelerator: an op census on the CPU.
 
 Runs python/gla/_chunked.py's forward and backward with the accelerator's block size (BLOCK_BYTES,
-no worker threads) on CPU tensors under a TorchDispatchMode that records every aten op that moves
+no worker threads) and its exponent rule (_chunked.by_difference) on CPU tensors under a TorchDispatchMode that records every aten op that moves
 data: its count, the bytes of its distinct input and output tensors, and the flops of the matmuls.
 From those it prints a first-order H200 estimate: per op kind max(count x launch, bytes / bandwidth
 + flops / fp32 matmul rate). The bytes alone are a floor the body cannot beat on any device with
@@ -70,6 +70,7 @@ def main():
     B, T, H, K, V = (int(x) for x in args.shape.split(","))
     _chunked._block_budget = lambda device: _chunked.BLOCK_BYTES
     _chunked._by_heads = lambda heads, device, run: run(slice(None))
+    _chunked.by_difference = lambda x: x.dtype in (torch.bfloat16, torch.float16)  # the accelerators' rule
     torch.manual_seed(0)
     q, k = (torch.rand(B, T, H, K, dtype=torch.bfloat16) for _ in range(2))
     v, do = (torch.rand(B, T, H, V, dtype=torch.bfloat16) for _ in range(2))

@@ -30,9 +30,13 @@ Numerics (SPEC.md §3):
   the pivot p the query half's first row (a sub-chunk boundary for widths >= 32, and inside the
   16-row diagonal blocks below that). Every pair s < t lies in exactly one quadrant, the diagonal
   t = s needs no decay. No [.., 16, 16, K] expansion exists: a level's operands are the size of q;
-- every exponent is a direct sum of the gates it spans (never a difference of two cumulative sums:
-  with g = -7 per step b reaches -650 within a chunk, where fp32's spacing 6e-5 would put ~4e-5
-  relative error on every decay), formed by span_sums;
+- with fp32 and fp64 inputs every exponent is a direct sum of the gates it spans (never a difference
+  of two cumulative sums: with g = -7 per step b reaches -650 within a chunk, where fp32's spacing
+  6e-5 would put ~4e-5 relative error on every decay, against the 1e-5 bar), formed by span_sums;
+  with 16-bit inputs on an accelerator (bar 5e-3) it is a difference of the chunk's cumulative gate
+  b (one cumsum a block, gate_cumsum), as in the CUDA kernels: there the span sums are fp32 matmuls
+  on CUDA cores, 223 of the 600 GFLOP of a B8 T4096 H16 D128 forward+backward
+  (bench/torch_backend_census.py);
 - the gate gradient is summed per quadrant (a pair s < t contributes to dg_u for s < u <= t)
   instead of as the reverse cumsum of q*dq - k*dk, whose large diagonal terms cancel (3e-5 error
   at n = 0.1, above SPEC's 1e-5);
@@ -310,10 +314,24 @@ def clamped_gate(g: torch.Tensor) -> torch.Tensor:
     return g.clamp_(min=gate_floor(g.dtype))
 
 
-# Span sums. Every exponent is the sum of the gates of one span of rows, formed as a product
-# with a constant 0/1 matrix over the chunk's rows (span_sums): a direct sum, never a difference of
-# two cumulative sums, and one matmul instead of a cumsum (a strided loop, 3-5x slower here) plus
-# the flips a reverse one needs. Where the device's fp32 matmul may round its operands (TF32),
+def by_difference(x: torch.Tensor) -> bool:
+    """Exponents as differences of the chunk cumsum: 16-bit inputs off the CPU, where the span sums'
+    fp32 matmuls run on CUDA cores; on the CPU a row cumsum is the slower op (bf16 B1 T4096 H16 D128,
+    2 threads: forward 1.06x, backward 1.04x the span sums' CPU time)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and x.device.type != "cpu"
+
+
+def gate_cumsum(gl: torch.Tensor, ws: Optional[Scratch] = None) -> torch.Tensor:
+    """b [..., C, K]: the clamped gate's cumulative sum over each chunk's rows."""
+    ws = ws or _scratch.fresh(gl)
+    return torch.cumsum(gl, -2, out=ws.take("gate_cumsum", gl.shape))
+
+
+# Span sums. With fp32 and fp64 inputs every exponent is the sum of the gates of one span of rows,
+# formed as a product with a constant 0/1 matrix over the chunk's rows (span_sums): a direct sum,
+# never a difference of two cumulative sums, and one matmul instead of a cumsum (a strided loop,
+# 3-5x slower here) plus the flips a reverse one needs (16-bit inputs on accelerators: differences
+# of gate_cumsum, module docstring). The gate gradient's sums over rows are span sums for every dtype. Where the device's fp32 matmul may round its operands (TF32),
 # g is split into a part exact in 10 mantissa bits and the remainder, so the sums keep fp32
 # accuracy.
 @functools.lru_cache(maxsize=256)
@@ -378,11 +396,25 @@ class Decays:
     whole: torch.Tensor       # e^(b_last) [..., K]
 
 
-def decays(gl: torch.Tensor, ws: Optional[Scratch] = None, name: str = "decays", from_start: bool = True) -> Decays:
+def decays(gl: torch.Tensor, ws: Optional[Scratch] = None, name: str = "decays", from_start: bool = True,
+           cum: Optional[torch.Tensor] = None) -> Decays:
     """The decays of the clamped gate; without from_start only to_end and whole (Decays.from_start
-    None: half the span sums and exps)."""
+    None: half the span sums and exps). cum: gate_cumsum's b, the exponents then differences of it."""
     C = gl.shape[-2]
     ws = ws or _scratch.fresh(gl)
+    if cum is not None:
+        last = cum[..., C - 1:, :]
+        if not from_start:
+            part = ws.take(name, (*gl.shape[:-2], C + 1, gl.shape[-1]))
+            torch.sub(last, cum, out=part[..., :C, :])
+            part[..., C:, :].copy_(last)
+            part.exp_()
+            return Decays(None, part[..., :C, :], part[..., C, :])
+        both = ws.take(name, (*gl.shape[:-2], 2 * C, gl.shape[-1]))
+        both[..., :C, :].copy_(cum)
+        torch.sub(last, cum, out=both[..., C:, :])
+        both.exp_()
+        return Decays(both[..., :C, :], both[..., C:, :], both[..., C - 1, :])
     if not from_start:
         part = span_sums("decay_to_end", gl, C, ws.take(name, (*gl.shape[:-2], C + 1, gl.shape[-1]))).exp_()
         return Decays(None, part[..., :C, :], part[..., C, :])
@@ -412,11 +444,12 @@ class Level:
     qop: torch.Tensor
 
 
-def levels(q, k, gl, keep_factors: bool, ws: Scratch) -> Iterator[Level]:
+def levels(q, k, gl, keep_factors: bool, ws: Scratch, cum: Optional[torch.Tensor] = None) -> Iterator[Level]:
     """Each level's factors (ek, eq kept only with keep_factors) and operands for the block q, k,
     gl [..., C, K], one level at a time: a level's tensors are scratch buffers that the next level
     overwrites (one level's working set instead of six, and each level's consumers read it while
-    it is in cache)."""
+    it is in cache). cum: gate_cumsum's b, the exponents then differences of it (b_p - b_s on key
+    rows, b_t - b_p on query rows)."""
     C = gl.shape[-2]
     for w in _levels(C):
         h = w // 2
@@ -429,7 +462,14 @@ def levels(q, k, gl, keep_factors: bool, ws: Scratch) -> Iterator[Level]:
             torch.mul(k_rows, f[..., :1, :], out=ops[..., :1, :])
             yield Level(w, f[..., :1, :] if keep_factors else None, None, ops[..., :1, :], q_rows)
             continue
-        span_sums("pivot", gl, w, f.flatten(-3, -2)).exp_()
+        if cum is not None:
+            b = cum.unflatten(-2, blocks)
+            pivot = b[..., h:h + 1, :]
+            torch.sub(pivot, b[..., :h, :], out=f[..., :h, :])
+            torch.sub(b[..., h:, :], pivot, out=f[..., h:, :])
+            f.exp_()
+        else:
+            span_sums("pivot", gl, w, f.flatten(-3, -2)).exp_()
         torch.mul(k_rows, f[..., :h, :], out=ops[..., :h, :])
         torch.mul(q_rows, f[..., h:, :], out=ops[..., h:, :])
         yield Level(w, f[..., :h, :] if keep_factors else None, f[..., h:, :] if keep_factors else None,
@@ -472,12 +512,12 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor, ws: Scratch, name: str) -> torch.
     return torch.sum(prod, -1, out=ws.take(name + "_sum", a.shape[:-1]))
 
 
-def attention(q, k, gl, scale, ws: Optional[Scratch] = None):
+def attention(q, k, gl, scale, ws: Optional[Scratch] = None, cum: Optional[torch.Tensor] = None):
     """F3: A [..., C, C], A[t, s] = scale * sum_i q_ti k_si e^(b_ti - b_si) for s <= t, 0 above
-    (the upper triangle is never computed: a select, not a mask product)."""
+    (the upper triangle is never computed: a select, not a mask product). cum: see levels."""
     ws = ws or _scratch.fresh(q)
     A = ws.zeros("attention", q.shape[:-1] + (q.shape[-2],))
-    for level in levels(q, k, gl, False, ws):
+    for level in levels(q, k, gl, False, ws, cum):
         _add_quadrants(A, level, ws)
     return _finish_attention(A, q, k, scale, ws)
 
@@ -491,16 +531,18 @@ def _finish_attention(A, q, k, scale, ws: Scratch):
     return A.mul_(scale)
 
 
-def intra_gradients(q, k, gl, dA, dq, dk, dg, ws: Optional[Scratch] = None, scale: Optional[float] = None):
+def intra_gradients(q, k, gl, dA, dq, dk, dg, ws: Optional[Scratch] = None, scale: Optional[float] = None,
+                    cum: Optional[torch.Tensor] = None):
     """B4 and the intra-chunk part of dg: adds into dq, dk, dg [..., C, K] the gradients through
     A given dA [..., C, C] (scale included). Per quadrant, mk = dA^T (q ops), mq = dA (k ops):
     dk gains ek mk and dq eq mq, and dg_u every pair s < u <= t: on key rows the sum over s < u of
     k ops * mk, on query rows the sum over t >= u of q ops * mq. With `scale` given, also forms
-    and returns F3's A from the same level operands (attention(), without a second pass of levels)."""
+    and returns F3's A from the same level operands (attention(), without a second pass of levels).
+    cum: see levels."""
     C = q.shape[-2]
     ws = ws or _scratch.fresh(q)
     A = ws.zeros("attention", q.shape[:-1] + (C,)) if scale is not None else None
-    for level in levels(q, k, gl, True, ws):
+    for level in levels(q, k, gl, True, ws, cum):
         w, h = level.w, level.w // 2
         kop, qop, ek, eq = level.kop, level.qop, level.ek, level.eq
         if A is not None:
@@ -623,8 +665,9 @@ def _forward(layout: Layout, q, k, v, g, scale, h0, cd, o_out, final_out):
         p0, p1 = layout.rows_of(c0, c1)
         qb, kb, vb = (layout.load(x, p0, p1, cd, ws, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
         gl = layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd))
-        dec = decays(gl, ws)
-        A = attention(qb, kb, gl, scale, ws=ws)
+        cum = gate_cumsum(gl, ws) if by_difference(q) else None
+        dec = decays(gl, ws, cum=cum)
+        A = attention(qb, kb, gl, scale, ws=ws, cum=cum)
         ob = _bmm(A, vb, ws.take("o", vb.shape))
         qb.mul_(dec.from_start)
         kb.mul_(dec.to_end)
@@ -656,7 +699,8 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
     for c0, c1 in blocks:
         p0, p1 = layout.rows_of(c0, c1)
         kb, vb = layout.load(k, p0, p1, cd, ws, "k"), layout.load(v, p0, p1, cd, ws, "v")
-        dec = decays(layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd)), ws, from_start=False)
+        gl = layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd))
+        dec = decays(gl, ws, from_start=False, cum=gate_cumsum(gl, ws) if by_difference(q) else None)
         kb.mul_(dec.to_end)
         for c in range(c0, min(c1, len(counts) - 1)):
             a, n = firsts[c] - p0, counts[c + 1]
@@ -672,7 +716,8 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
         qb, kb, vb = (layout.load(x, p0, p1, cd, ws, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
         gl = layout.load(g, p0, p1, cd, ws, "g", gate_floor(cd))
         dob = layout.load(do, p0, p1, cd, ws, "do") if do is not None else ws.zeros("do", vb.shape)
-        dec = decays(gl, ws)
+        cum = gate_cumsum(gl, ws) if by_difference(q) else None
+        dec = decays(gl, ws, cum=cum)
         qw = torch.mul(qb, dec.from_start, out=ws.take("qw", qb.shape))
         dh = ws.take("dh", (p1 - p0, H, K, V))
         for c in reversed(range(c0, c1)):
@@ -683,7 +728,7 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
             Sn.baddbmm_(_flat3(qw, a, n).transpose(-1, -2), _flat3(dob, a, n), alpha=scale)
         dA = _bmm(dob, vb.transpose(-1, -2), ws.take("dA", qb.shape[:-1] + (qb.shape[-2],)), alpha=scale)  # B3
         dqb, dkb, dgb = ws.zeros("dq", qb.shape), ws.zeros("dk", kb.shape), ws.zeros("dg", qb.shape)
-        A = intra_gradients(qb, kb, gl, dA, dqb, dkb, dgb, ws, scale)  # B4 and the intra-chunk dg; F3's A
+        A = intra_gradients(qb, kb, gl, dA, dqb, dkb, dgb, ws, scale, cum)  # B4 and the intra-chunk dg; F3's A
         dvb = _bmm(A.transpose(-1, -2), dob, ws.take("dv", vb.shape))  # B2
         kw = torch.mul(kb, dec.to_end, out=qw)  # qw is dead
         _bmm(kw, dh, dvb, accumulate=True)

@@ -75,6 +75,34 @@ def test_strong_decay(gate):
     check(got, loop_of(x), 1e-5, f"strong decay {gate}")
 
 
+@pytest.mark.parametrize("case", [
+    dict(B=2, T=150, H=2, K=32),
+    dict(B=1, T=200, H=2, K=16, V=24, cu_seqlens=[0, 7, 120, 200]),
+    dict(B=2, T=70, H=2, K=16, per_head_gate=True),
+    dict(B=1, T=200, H=2, K=32, gate_min=-60.0),
+    dict(B=1, T=130, H=2, K=32, dtype=torch.float16),
+    dict(B=1, T=150, H=2, K=32, resets=0.05),
+], ids=["batch", "varlen", "per-head", "strong-decay", "fp16", "resets"])
+def test_exponents_by_difference(monkeypatch, case):
+    """The accelerators' 16-bit route (exponents as differences of the chunk's cumulative gate,
+    _chunked.by_difference), forced on the CPU, against the fp64 token loop at SPEC's 16-bit bar."""
+    case = dict(case)
+    resets = case.pop("resets", 0.0)
+    x = make_inputs(**{"dtype": torch.bfloat16, **case}, seed=26)
+    if resets:
+        x = with_resets(x, resets, seed=27)
+    calls = []
+
+    def forced(t):
+        calls.append(t.dtype)
+        return t.dtype in (torch.bfloat16, torch.float16)
+
+    monkeypatch.setattr(_chunked, "by_difference", forced)
+    got = run_gla(x, backend="torch")
+    assert calls and all(d in (torch.bfloat16, torch.float16) for d in calls), calls
+    check(got, loop_of(x), 5e-3, "exponents by difference")
+
+
 def test_fp64_path_matches_token_loop_to_rounding():
     x = make_inputs(B=2, T=130, H=2, K=16, V=8, dtype=torch.float64, seed=25)
     x["initial_state"] = x["initial_state"].double()
