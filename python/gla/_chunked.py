@@ -331,9 +331,9 @@ def gate_cumsum(gl: torch.Tensor, ws: Optional[Scratch] = None) -> torch.Tensor:
 # formed as a product with a constant 0/1 matrix over the chunk's rows (span_sums): a direct sum,
 # never a difference of two cumulative sums, and one matmul instead of a cumsum (a strided loop,
 # 3-5x slower here) plus the flips a reverse one needs (16-bit inputs on accelerators: differences
-# of gate_cumsum, module docstring). The gate gradient's sums over rows are span sums for every dtype. Where the device's fp32 matmul may round its operands (TF32),
-# g is split into a part exact in 10 mantissa bits and the remainder, so the sums keep fp32
-# accuracy.
+# of gate_cumsum, module docstring). The gate gradient's sums over rows are span sums for every
+# dtype. Where the device's fp32 matmul may round its operands (TF32), g is split into a part exact
+# in 10 mantissa bits and the remainder, so the sums keep fp32 accuracy.
 @functools.lru_cache(maxsize=256)
 def _constant(kind: str, w: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     r = torch.arange(w)
@@ -411,9 +411,8 @@ def decays(gl: torch.Tensor, ws: Optional[Scratch] = None, name: str = "decays",
             part.exp_()
             return Decays(None, part[..., :C, :], part[..., C, :])
         both = ws.take(name, (*gl.shape[:-2], 2 * C, gl.shape[-1]))
-        both[..., :C, :].copy_(cum)
-        torch.sub(last, cum, out=both[..., C:, :])
-        both.exp_()
+        torch.exp(cum, out=both[..., :C, :])
+        torch.sub(last, cum, out=both[..., C:, :]).exp_()
         return Decays(both[..., :C, :], both[..., C:, :], both[..., C - 1, :])
     if not from_start:
         part = span_sums("decay_to_end", gl, C, ws.take(name, (*gl.shape[:-2], C + 1, gl.shape[-1]))).exp_()

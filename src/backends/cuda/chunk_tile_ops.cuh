@@ -176,22 +176,36 @@ __device__ __forceinline__ uint32_t paired_entries(float mine_lo, float mine_hi,
   return Elem<__nv_bfloat16>::pack(odd ? got : mine_lo, odd ? mine_hi : got);
 }
 
+// This lane's first paired entry of the chunk-start state block: its key (fc, or fc + 1 on an odd
+// lane), its first value row vv (even), and the address of entry (key, vv).
+__device__ __forceinline__ uint16_t* paired_state_row(const ForwardParams& p, int64_t batch, int64_t bos, int64_t c,
+                                                      int64_t h, int64_t v0, int vrow, int lane, bool& odd, int& key,
+                                                      int& vv) {
+  const int64_t* st = p.chunk_states_stride;
+  const int64_t first = p.varlen ? bos / kChunk : batch * ((p.T + kChunk - 1) / kChunk);
+  const int fr = lane >> 2;
+  odd = fr & 1;
+  key = fc_of(lane) + (odd ? 1 : 0);
+  vv = vrow + (fr & ~1);
+  return p.chunk_states + first * st[0] + c * st[1] + h * st[2] + v0 + key * st[3] + vv;
+}
+
 template <int DK>
 __device__ __forceinline__ void store_chunk_state_paired(const float (&S)[DK / 8][4], const ForwardParams& p,
                                                          int64_t batch, int64_t bos, int64_t c, int64_t h, int64_t v0,
                                                          int vrow, int lane) {
   const int64_t* st = p.chunk_states_stride;
-  const int64_t first = p.varlen ? bos / kChunk : batch * ((p.T + kChunk - 1) / kChunk);
-  const int fr = lane >> 2;
-  const bool odd = fr & 1;
-  const int key = fc_of(lane) + (odd ? 1 : 0), vv = vrow + (fr & ~1);
-  uint16_t* row = p.chunk_states + first * st[0] + c * st[1] + h * st[2] + v0 + key * st[3] + vv;
+  bool odd;
+  int key, vv;
+  uint16_t* row = paired_state_row(p, batch, bos, c, h, v0, vrow, lane, odd, key, vv);
 #pragma unroll
   for (int j = 0; j < DK / 8; ++j) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const uint32_t pair = paired_entries(S[j][2 * hr], S[j][2 * hr + 1], odd);
-      if (j * 8 + key < p.K && v0 + vv + 8 * hr < p.V) *reinterpret_cast<uint32_t*>(row + (j * 8) * st[3] + 8 * hr) = pair;
+      if (j * 8 + key < p.K && v0 + vv + 8 * hr < p.V) {
+        *reinterpret_cast<uint32_t*>(row + (j * 8) * st[3] + 8 * hr) = pair;
+      }
     }
   }
 }
@@ -206,13 +220,10 @@ struct ChunkStateStore {
   __device__ __forceinline__ ChunkStateStore() {}
   __device__ __forceinline__ ChunkStateStore(const ForwardParams& p, int64_t batch, int64_t bos, int64_t c, int64_t h,
                                              int64_t v0, int vrow, int lane) {
-    const int64_t* st = p.chunk_states_stride;
-    const int64_t first = p.varlen ? bos / kChunk : batch * ((p.T + kChunk - 1) / kChunk);
-    const int fr = lane >> 2;
-    const bool odd = fr & 1;
-    const int key = fc_of(lane) + (odd ? 1 : 0), vv = vrow + (fr & ~1);
-    key_stride = static_cast<int>(st[3]);
-    row = p.chunk_states + first * st[0] + c * st[1] + h * st[2] + v0 + key * st[3] + vv;
+    bool odd;
+    int key, vv;
+    row = paired_state_row(p, batch, bos, c, h, v0, vrow, lane, odd, key, vv);
+    key_stride = static_cast<int>(p.chunk_states_stride[3]);
     const int64_t tiles = (p.K - key + 7) / 8;
     flags = static_cast<int>(tiles < 255 ? tiles : 255) | (v0 + vv < p.V ? 256 : 0) | (v0 + vv + 8 < p.V ? 512 : 0) |
             (odd ? 1024 : 0);
@@ -221,7 +232,9 @@ struct ChunkStateStore {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const uint32_t pair = paired_entries(s[2 * hr], s[2 * hr + 1], flags & 1024);
-      if (j < (flags & 255) && (flags & (256 << hr))) *reinterpret_cast<uint32_t*>(row + j * 8 * key_stride + 8 * hr) = pair;
+      if (j < (flags & 255) && (flags & (256 << hr))) {
+        *reinterpret_cast<uint32_t*>(row + j * 8 * key_stride + 8 * hr) = pair;
+      }
     }
   }
 };
@@ -400,17 +413,19 @@ __device__ __forceinline__ void o_tile(float (&acc)[8][4], const float (&S)[DK /
 }
 
 // S^T = S^T diag(2^{b_last}): the chunk's decay, per key column, on the accumulator fragments.
+__device__ __forceinline__ void decay_tile(float (&s)[4], const float* dfac, int j, int fc) {
+  const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
+  s[0] *= d0;
+  s[1] *= d1;
+  s[2] *= d0;
+  s[3] *= d1;
+}
+
 template <int DK>
 __device__ __forceinline__ void decay_state(float (&S)[DK / 8][4], const float* dfac, int lane) {
   const int fc = fc_of(lane);
 #pragma unroll
-  for (int j = 0; j < DK / 8; ++j) {
-    const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
-    S[j][0] *= d0;
-    S[j][1] *= d1;
-    S[j][2] *= d0;
-    S[j][3] *= d1;
-  }
+  for (int j = 0; j < DK / 8; ++j) decay_tile(S[j], dfac, j, fc);
 }
 
 // S^T = S^T diag(2^{b_last}) + V^T kg. STORE: the chunk-start state goes out through `store` (when
@@ -429,11 +444,7 @@ __device__ __forceinline__ void state_update(float (&S)[DK / 8][4], const uint32
       for (int t = 0; t < 2; ++t) {
         const int j = 2 * nt2 + t;
         if (store.row != nullptr) store.tile(S[j], j);
-        const float d0 = dfac[j * 8 + fc], d1 = dfac[j * 8 + fc + 1];
-        S[j][0] *= d0;
-        S[j][1] *= d1;
-        S[j][2] *= d0;
-        S[j][3] *= d1;
+        decay_tile(S[j], dfac, j, fc);
       }
       uint32_t b[4];
       ldsm_x4_trans(b, kw + ((lane & 7) + (mi & 1) * 8) * pq + nt2 * 16 + (mi >> 1) * 8);
