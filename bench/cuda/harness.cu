@@ -390,6 +390,8 @@ static int run_check() {
     c.K = 128; c.V = 64; add(c, "K128 V64");
     c.K = 100; c.V = 100; add(c, "K100 V100");
     c.K = 128; c.V = 256; add(c, "K128 V256");
+    c.K = 256; c.V = 512; add(c, "K256 V512");  // the key split, several chunks, a partial last one
+    c.K = 200; c.V = 72; add(c, "K200 V72");
     c.K = 128; c.V = 128; c.gate_dtype = kF32; add(c, "fp32 gate");
     c.gate_dtype = -1; c.per_head = true; add(c, "per-head gate");
     c.gate_dtype = kF32; add(c, "per-head fp32 gate");
@@ -405,6 +407,7 @@ static int run_check() {
     c.T = 2000; c.cu = {0, 15, 100, 300, 1200, 2000}; add(c, "varlen 5 seqs");
     c.K = c.V = 64; add(c, "varlen 5 seqs K64");
     c.K = c.V = 100; add(c, "varlen 5 seqs K100");
+    c.K = c.V = 256; add(c, "varlen 5 seqs K256");
     c.K = c.V = 128; c.T = 9000; c.cu = {0, 1, 4500, 4500, 4501, 9000}; add(c, "varlen long + 1 + empty");
     c.cu.clear(); c.B = 1; c.T = 8192; c.H = 1; add(c, "1x8192x1x128 (split)");
     c.K = c.V = 64; c.T = 16384; add(c, "1x16384x1x64 (split)");
@@ -491,9 +494,10 @@ static Case parse_shape(const std::string& s) {
     for (auto l : lens) c.cu.push_back(c.cu.back() + l);
     c.B = 1; c.T = c.cu.back(); c.H = 16; c.K = c.V = 128;
   } else {
-    long long B, T, H, D;
-    std::sscanf(s.c_str(), "%lldx%lldx%lldx%lld", &B, &T, &H, &D);
+    long long B, T, H, D, V;  // BxTxHxD (K = V = D) or BxTxHxKxV
+    const int fields = std::sscanf(s.c_str(), "%lldx%lldx%lldx%lldx%lld", &B, &T, &H, &D, &V);
     c.B = B; c.T = T; c.H = H; c.K = c.V = D;
+    if (fields == 5) c.V = V;
   }
   // Suffixes: "h" fp16 inputs (default bf16), "s" the chunk states stored too ("BxTxHxDhs": both).
   for (size_t i = s.find_last_of("0123456789") + 1; i < s.size() && s != "varlen"; ++i) {

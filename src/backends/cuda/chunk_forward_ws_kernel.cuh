@@ -628,6 +628,33 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     };
     if (c_begin < c_end) issue_v(c_begin, static_cast<int>(c_begin & 1));
 
+    // This warp's o rows of chunk c (its 16 value columns), and the pieces a lane stores: piece
+    // i * 32 + lane is row piece / 2, value half piece % 2 (16 bytes).
+    auto o_rows = [&](int64_t c) {
+      return static_cast<char*>(p.o) +
+             (seq.batch * p.o_stride[0] + (seq.bos + c * kChunk) * p.o_stride[1] + h * p.o_stride[2] + v0 + vrow) * esz;
+    };
+    // The second key half adds into the first half's o. That o of chunk c is copied into this
+    // warp's 2 KB of the level copies' region (unused: this pass forms no A) as the chunk begins,
+    // so its latency passes under the chunk's products instead of stalling the store; each lane
+    // copies exactly the pieces it adds, so no lane reads another's.
+    uint16_t* prev_o = reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + swarp * (kChunk * 16);
+    static_assert(KEYHALF != 2 || NS / 32 * kChunk * 16 * 2 <= kChunk * (DK + 8) * 2, "prev_o fits one level tile");
+    auto issue_prev_o = [&](int64_t c, int rows) {
+      const char* ob = o_rows(c);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1;
+        const bool ok = r < rows && v0 + vrow + half * 8 < p.V;
+        cp_async16(prev_o + piece * 8, ok ? ob + (r * p.o_stride[1] + half * 8) * esz : p.o, ok);
+      }
+      cp_async_commit();
+    };
+
+    if constexpr (KEYHALF == 2 && full) {
+      if (c_begin < c_end) issue_prev_o(c_begin, static_cast<int>(gla_min64(kChunk, seq.len - c_begin * kChunk)));
+    }
+
     float S[NKT][4];
     load_initial_state<DK, BV>(S, p, sa, full, n, m, h, v0, vrow, lane);
 
@@ -639,7 +666,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       const uint16_t* As = reinterpret_cast<const uint16_t*>(smem + L.a(slot));
       const float* dfac = reinterpret_cast<const float*>(smem + L.dfac(slot));
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
-      cp_async_wait_all();
+      // v of chunk c; with KEYHALF 2 the prev_o copy of chunk c, committed after it, may still fly
+      if constexpr (KEYHALF == 2 && full) cp_async_wait_one(); else cp_async_wait_all();
       named_sync(kBarState, NS);  // v of chunk c landed; the stage refilled next was last read at c-1
       if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
 
@@ -674,8 +702,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       const float sc = p.scale;
       stage_o_tile<X>(acc, vs, L.pv, vrow, lane, sc);
       __syncwarp();
-      const int64_t t0 = seq.bos + c * kChunk;
-      char* ob = static_cast<char*>(p.o) + (seq.batch * p.o_stride[0] + t0 * p.o_stride[1] + h * p.o_stride[2] + v0 + vrow) * esz;
+      if constexpr (KEYHALF == 2) {  // this lane's prev_o pieces (v of chunk c + 1, committed later, may fly)
+        if (c + 1 < c_end) cp_async_wait_one(); else cp_async_wait_all();
+      }
+      char* ob = o_rows(c);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1;
@@ -684,13 +714,16 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           const uint4 mine = *reinterpret_cast<const uint4*>(vs + r * L.pv + vrow + half * 8);
           if constexpr (KEYHALF == 2) {
             // 16-bit o of the first key half + this half's, summed in fp32 and rounded once more
-            const uint4 prev = *dst;
+            const uint4 prev = *reinterpret_cast<const uint4*>(prev_o + piece * 8);
             *dst = make_uint4(add_pair<X>(prev.x, mine.x), add_pair<X>(prev.y, mine.y), add_pair<X>(prev.z, mine.z),
                               add_pair<X>(prev.w, mine.w));
           } else {
             *dst = mine;
           }
         }
+      }
+      if constexpr (KEYHALF == 2) {
+        if (c + 1 < c_end) issue_prev_o(c + 1, static_cast<int>(gla_min64(kChunk, seq.len - (c + 1) * kChunk)));
       }
     }
 
