@@ -107,10 +107,15 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
 
   // Element-wise items (threads 0..127): column pair cp of the slice, sub-chunk sub.
   const int cp = tid & 31, esub = (tid >> 5) & 3, k0 = cp * 2;
-  // Diagonal items: (sub-chunk dsub, key row pair sp, column group cg of 8 keys) adds, per slice,
-  // its keys' terms of A[t, s] for s = sp (rows t = sp..15), then s = 15 - sp (rows 15-sp..15): 17
-  // rows on every thread, reduced over the 8 column groups at the end.
-  const int dsub = tid >> 6, sp = (tid >> 3) & 7, cg = tid & 7, col = cg * 8;
+  // Diagonal items: (sub-chunk dsub, key row pair sp, column group cg) adds, per slice, its keys'
+  // terms of A[t, s] for s = sp (rows t = sp..15), then s = 15 - sp (rows 15-sp..15): 17 rows on
+  // every thread, reduced over the 8 column groups at the end. Group cg holds the key pairs at
+  // columns 2 cg + 16 m (m = 0..3), so the 8 groups of a row read 16 consecutive gate factors at a
+  // time: with the factors' pitch of 80 floats a half-warp's 64-bit reads hit 32 distinct banks
+  // (8 consecutive keys per group were 8-way conflicts: 4.7 wavefronts per shared load in this
+  // kernel, 134 us at B8 T2048 H4 K256 V512).
+  const int dsub = tid >> 6, sp = (tid >> 3) & 7, cg = tid & 7, col = cg * 2;
+  auto key_col = [&](int j) { return col + 8 * j; };  // j = 0, 2, 4, 6: the pair's first key
   const int first_rows = 16 - sp;
   float dacc[17];
 #pragma unroll
@@ -156,7 +161,7 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
           s = i == 0 ? sp : 15 - sp;
 #pragma unroll
           for (int j = 0; j < 8; j += 2) {
-            const float2 kk = X::to_float2(*reinterpret_cast<const uint32_t*>(ks + (dsub * 16 + s) * L.pq + col + j));
+            const float2 kk = X::to_float2(*reinterpret_cast<const uint32_t*>(ks + (dsub * 16 + s) * L.pq + key_col(j)));
             kf[j] = kk.x;
             kf[j + 1] = kk.y;
             f[j] = f[j + 1] = 1.f;
@@ -168,11 +173,11 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
 #pragma unroll
         for (int j = 0; j < 8; j += 2) {
           if (t > s) {
-            const float2 e = *reinterpret_cast<const float2*>(es + trow * L.pg + col + j);
+            const float2 e = *reinterpret_cast<const float2*>(es + trow * L.pg + key_col(j));
             f[j] *= e.x;
             f[j + 1] *= e.y;
           }
-          const float2 qq = X::to_float2(*reinterpret_cast<const uint32_t*>(qs + trow * L.pq + col + j));
+          const float2 qq = X::to_float2(*reinterpret_cast<const uint32_t*>(qs + trow * L.pq + key_col(j)));
           sum = fmaf(qq.x * kf[j], f[j], sum);
           sum = fmaf(qq.y * kf[j + 1], f[j + 1], sum);
         }

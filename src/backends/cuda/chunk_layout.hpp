@@ -84,7 +84,9 @@ GLA_HD inline ChunkSmem intra_smem_layout() {
   s.pq = kIntraSliceKeys + 8;
   s.pv = 0;
   s.pa = kChunk + 8;
-  s.pg = kIntraSliceKeys + 8;  // fp32 rows of 288 bytes, raw 16-bit rows of 144: both 16-byte aligned
+  // fp32 rows of 320 bytes (16 banks apart: chunk_forward_intra.cu's diagonal reads), raw 16-bit rows
+  // of 160: both 16-byte aligned
+  s.pg = kIntraSliceKeys + 16;
   s.q = 0;
   s.k = s.q + kChunk * s.pq * 2;
   s.v = -1;
