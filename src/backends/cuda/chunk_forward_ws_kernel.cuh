@@ -635,9 +635,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
              (seq.batch * p.o_stride[0] + (seq.bos + c * kChunk) * p.o_stride[1] + h * p.o_stride[2] + v0 + vrow) * esz;
     };
     // The second key half adds into the first half's o. That o of chunk c is copied into this
-    // warp's 2 KB of the level copies' region (unused: this pass forms no A) as the chunk begins,
-    // so its latency passes under the chunk's products instead of stalling the store; each lane
-    // copies exactly the pieces it adds, so no lane reads another's.
+    // warp's 2 KB of the level copies' region (unused: this pass forms no A) when chunk c - 1 has
+    // been stored (before the loop for the first chunk), so its latency passes under chunk c's
+    // products instead of stalling the store; each lane copies exactly the pieces it adds, so no
+    // lane reads another's. Commit order per chunk: v of c + 1, then prev_o of c + 1.
     uint16_t* prev_o = reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + swarp * (kChunk * 16);
     static_assert(KEYHALF != 2 || NS / 32 * kChunk * 16 * 2 <= kChunk * (DK + 8) * 2, "prev_o fits one level tile");
     auto issue_prev_o = [&](int64_t c, int rows) {
