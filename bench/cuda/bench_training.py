@@ -37,6 +37,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -93,12 +94,20 @@ def clear_grads(leaves):
         x.grad = None
 
 
+# Each contender is warmed up with at least this much wall time of its own calls (and 3 calls): the
+# H200 idles at ~345 MHz and its clock takes ~100 ms of work to reach ~1980 MHz, and libgla's
+# forward (0.1-0.5 ms a call) would otherwise spend its whole timed loop ramping.
+WARMUP_SECONDS = 0.25
+
+
 def time_calls(fn, leaves, reps, warmup=3):
     """(median ms with a synchronise between calls, mean ms back-to-back, extra peak MiB)."""
-    for _ in range(warmup):
+    start, calls = time.perf_counter(), 0
+    while calls < warmup or time.perf_counter() - start < WARMUP_SECONDS:
         clear_grads(leaves)
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        calls += 1
     times = []
     for _ in range(reps):
         clear_grads(leaves)

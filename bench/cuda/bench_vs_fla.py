@@ -92,10 +92,14 @@ class Gla:
         return call
 
 
-def bench(fn, warmup=5, rep=30):
-    for _ in range(warmup):
+def bench(fn, warmup=5, rep=30, warmup_seconds=0.25):
+    # at least warmup_seconds of the contender's own calls first: the GPU's clock takes ~100 ms of
+    # work to ramp up from idle
+    start, calls = time.perf_counter(), 0
+    while calls < warmup or time.perf_counter() - start < warmup_seconds:
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        calls += 1
     ts = []
     for _ in range(rep):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
