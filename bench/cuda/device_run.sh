@@ -119,4 +119,7 @@ for step in "$@"; do
         timeout ${TORCHPROF_TIMEOUT:-200} python3 bench/torch_backend_bench.py --cuda --repeat 5 --profile 2>&1 | tee "$LOG/torchprof.log" ;;
     *) echo "unknown step $step" ;;
   esac
+  # Packed after every step too: a call stopped at its time limit (SIGKILL skips the EXIT trap)
+  # still returns the logs of the steps that finished.
+  tar -czf "$OUT/logs.tgz" -C "$OUT" logs
 done
