@@ -6,7 +6,7 @@ cases of bench_training.py (--cases picks labels, comma-separated; default the t
 and B8 T4096 H16 D128). --timeline prints one synchronised forward+backward call as a time line
 instead: each kernel's GPU start and end from the call's first host instant, the idle gaps between
 kernels, and the host instants (forward returned, backward returned), to tell host-bound gaps from
-kernel time. --once runs each pass once without the profiler (for ncu:
+kernel time (with --forward-only: one no-grad forward). --once runs each pass once without the profiler (for ncu:
 `ncu -k regex:chunk -c N python3 bench/cuda/kernel_times.py --once --cases ...`).
 
     PYTHONPATH=python GLA_LIBRARY=build-cuda/libgla.so python3 bench/cuda/kernel_times.py
@@ -51,23 +51,26 @@ def profile_pass(leaves, do, cu_t, cu_cpu, backward, reps):
     return {name: (us / reps, n / reps) for name, (us, n) in per.items()}
 
 
-def timeline(leaves, do, cu_t, cu_cpu, reps):
-    """The last of `reps` synchronised forward+backward calls under the profiler, as a time line (us).
-    50 calls first: the GPU's clock ramps up over the first ~100 ms of work."""
+def timeline(leaves, do, cu_t, cu_cpu, reps, backward=True):
+    """The last of `reps` synchronised calls (forward+backward, or a no-grad forward) under the
+    profiler, as a time line (us). 50 calls first: the GPU's clock ramps up over the first ~100 ms of
+    work."""
     for _ in range(50):
-        run_gla(leaves, do, cu_t, cu_cpu, True)
+        with torch.set_grad_enabled(backward):
+            run_gla(leaves, do, cu_t, cu_cpu, backward)
         for x in leaves:
             x.grad = None
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for i in range(reps):
-            with torch.profiler.record_function(f"call{i}"):
+            with torch.profiler.record_function(f"call{i}"), torch.set_grad_enabled(backward):
                 q, k, v, g = leaves
                 with torch.profiler.record_function("forward"):
                     o, _ = gla.chunk_gla(q, k, v, g, cu_seqlens=cu_t, cu_seqlens_cpu=cu_cpu)
-                with torch.profiler.record_function("backward"):
-                    o.backward(do)
+                if backward:
+                    with torch.profiler.record_function("backward"):
+                        o.backward(do)
             torch.cuda.synchronize()
             for x in leaves:
                 x.grad = None
@@ -101,6 +104,8 @@ def main():
     ap.add_argument("--cases", default=DEFAULT)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--timeline", action="store_true", help="one forward+backward call as a time line")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="the no-grad forward alone (with --timeline: its time line; else its kernels only)")
     ap.add_argument("--once", action="store_true", help="one forward and one forward+backward per case, no profiler")
     args = ap.parse_args()
     by_label = {c[0]: c for c in CASES}
@@ -108,8 +113,8 @@ def main():
         _, B, T, H, K, V, cu = by_label[label]
         leaves, do, cu_t, cu_cpu = make_inputs(B, T, H, K, V, cu, True)
         if args.timeline:
-            print(f"\n{label} fwd+bwd time line")
-            timeline(leaves, do, cu_t, cu_cpu, 5)
+            print(f"\n{label} {'fwd (no grad)' if args.forward_only else 'fwd+bwd'} time line")
+            timeline(leaves, do, cu_t, cu_cpu, 5, backward=not args.forward_only)
             continue
         if args.once:
             with torch.no_grad():
@@ -117,7 +122,7 @@ def main():
             run_gla(leaves, do, cu_t, cu_cpu, True)
             torch.cuda.synchronize()
             continue
-        for backward in (False, True):
+        for backward in (False,) if args.forward_only else (False, True):
             rows = profile_pass(leaves, do, cu_t, cu_cpu, backward, args.reps)
             total = sum(us for us, _ in rows.values())
             print(f"\n{label} {'fwd+bwd' if backward else 'fwd'}: GPU {total:.1f} us per call")
