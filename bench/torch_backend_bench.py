@@ -13,6 +13,9 @@ peak memory of one forward+backward (peak allocated during it minus what was all
 
     GLA_LIBRARY=build/libgla.so PYTHONPATH=python python3 bench/torch_backend_bench.py --cuda
 
+--block-gib 1,2,3 times the torch backend at each of those block budgets in turn (the accelerators'
+_chunked.BLOCK_BYTES: a larger block launches fewer ops and holds more memory).
+
 Each case prints one line per contender: the median and the spread (min-max) over --repeat timed
 runs after one warm-up, and the ratio to the reference point. On the CPU both contenders run in the
 same process, alternating run by run (a shared machine's load then weighs on both alike), and each
@@ -30,6 +33,9 @@ import torch
 import torch.nn.functional as F
 
 import gla
+from gla import _chunked
+
+shipped_block_bytes = _chunked.BLOCK_BYTES
 
 
 def make(B, T, H, K, V, dtype, device, seed=0):
@@ -180,10 +186,16 @@ def cuda_main(args):
             ref_mem = extra_peak_cuda(fn, x)
             print(f"  {'fla extra peak':<28} {ref_mem / 2**30:9.2f} GiB")
         fn = gla_call("torch", True)
-        report("torch backend", time_cuda(fn, x, args.repeat), ref)
-        mem = extra_peak_cuda(fn, x)
-        ratio = f"  {mem / ref_mem:5.2f}x" if ref_mem else ""
-        print(f"  {'torch backend extra peak':<28} {mem / 2**30:9.2f} GiB{ratio}")
+        budgets = [float(b) for b in args.block_gib.split(",")] if args.block_gib else [None]
+        for budget in budgets:
+            if budget is not None:  # the accelerators' block budget (_chunked.BLOCK_BYTES) for this row
+                _chunked.BLOCK_BYTES = int(budget * 2**30)
+            what = "torch backend" if budget is None else f"torch backend, {budget:g} GiB blocks"
+            report(what, time_cuda(fn, x, args.repeat), ref)
+            mem = extra_peak_cuda(fn, x)
+            ratio = f"  {mem / ref_mem:5.2f}x" if ref_mem else ""
+            print(f"  {what + ' extra peak':<28} {mem / 2**30:9.2f} GiB{ratio}")
+        _chunked.BLOCK_BYTES = shipped_block_bytes
         if args.profile:
             profile_cuda(fn, x)
         del x
@@ -198,6 +210,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="with --cuda: one call of the torch backend "
                     "under torch.profiler (kernel time, launches, top kernels)")
     ap.add_argument("--T", type=int, default=4096, help="CPU case length")
+    ap.add_argument("--block-gib", default="", help="with --cuda: comma-separated block budgets in GiB, the torch "
+                    "backend timed at each in turn (default: the shipped _chunked.BLOCK_BYTES)")
     ap.add_argument("--cases", default="0,1", help="with --cuda: which of the two GPU cases (0: B8 T4096 H16 D128, "
                     "1: B8 T2048 H4 K256 V512)")
     args = ap.parse_args()
