@@ -105,7 +105,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--timeline", action="store_true", help="one forward+backward call as a time line")
     ap.add_argument("--forward-only", action="store_true",
-                    help="the no-grad forward alone (with --timeline: its time line; else its kernels only)")
+                    help="the forward alone: with --timeline one no-grad forward's time line, else the profiled "
+                    "forward pass only (inputs requiring grad, as without this flag)")
     ap.add_argument("--once", action="store_true", help="one forward and one forward+backward per case, no profiler")
     args = ap.parse_args()
     by_label = {c[0]: c for c in CASES}
