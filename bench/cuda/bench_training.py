@@ -100,7 +100,7 @@ def clear_grads(leaves):
 WARMUP_SECONDS = 0.25
 
 
-def time_calls(fn, leaves, reps, warmup=3):
+def time_calls(fn, leaves, reps, warmup=3, label=""):
     """(median ms with a synchronise between calls, mean ms back-to-back, extra peak MiB)."""
     start, calls = time.perf_counter(), 0
     while calls < warmup or time.perf_counter() - start < WARMUP_SECONDS:
@@ -133,6 +133,14 @@ def time_calls(fn, leaves, reps, warmup=3):
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     clear_grads(leaves)
+    # With the call's outputs and gradients released, what is allocated should be `base` again: less
+    # means the call freed memory allocated before it (the extra peak is then a lower bound), more
+    # that it kept some (a cache).
+    change = (torch.cuda.memory_allocated() - base) / 2**20
+    if abs(change) >= 1.0:
+        print(f"  note ({label or 'call'}): {'freed' if change < 0 else 'kept'} {abs(change):.0f} MiB "
+              f"{'allocated before it: its extra peak is a lower bound' if change < 0 else 'after it returned'}",
+              flush=True)
     return statistics.median(times), back_to_back, peak
 
 
@@ -210,11 +218,12 @@ def main():
     for label, B, T, H, K, V, cu in cases:
         for backward in ((False,) if args.forward_only else (False, True)):
             leaves, do, cu_t, cu_cpu = make_inputs(B, T, H, K, V, cu, backward)
-            ours = time_calls(lambda: run_gla(leaves, do, cu_t, cu_cpu, backward), leaves, args.reps)
+            ours = time_calls(lambda: run_gla(leaves, do, cu_t, cu_cpu, backward), leaves, args.reps,
+                              label=f"libgla {label}")
             theirs, diff = (float("nan"),) * 3, float("nan")
             if fla_chunk_gla is not None:
                 theirs = time_calls(lambda: run_fla(fla_chunk_gla, leaves, do, cu_t, cu_cpu, backward), leaves,
-                                    args.reps)
+                                    args.reps, label=f"fla {label}")
                 o1 = run_gla(leaves, do, cu_t, cu_cpu, backward)
                 grads1 = [x.grad.clone() for x in leaves] if backward else [o1]
                 clear_grads(leaves)
