@@ -49,8 +49,8 @@ class Census(TorchDispatchMode):
                 seen.add(key)
                 moved += t.numel() * t.element_size()
         flops = 0.0
-        if kind in MATMULS:
-            a, b = [x for x in ins if x.dim() >= 2][-2:]
+        if kind in MATMULS:  # the operands are the last two positional matrices (not an out= tensor)
+            a, b = [x for x in args if isinstance(x, torch.Tensor) and x.dim() >= 2][-2:]
             flops = 2.0 * (a.numel() // (a.shape[-1] * a.shape[-2])) * a.shape[-2] * a.shape[-1] * b.shape[-1]
         entry = self.ops[kind]
         entry[0] += 1
