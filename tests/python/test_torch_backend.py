@@ -170,6 +170,20 @@ def test_blocks_and_worker_threads_give_the_same_result(monkeypatch, threads):
         monkeypatch.undo()
 
 
+def test_uniform_scans_match_the_general_ones(monkeypatch, threads):
+    """Equal-length sequences take the one-op-a-step scans (_chunked.uniform_scans): forward and
+    backward match the general per-step scans, with one block and with a block per scan step."""
+    threads(1)
+    x = make_inputs(B=3, T=200, H=2, K=16, V=24, seed=41)
+    for block_bytes in (None, 1):
+        if block_bytes:
+            monkeypatch.setattr(_chunked, "CPU_BLOCK_BYTES", block_bytes)
+        fast = run_gla(x, backend="torch")
+        monkeypatch.setattr(_chunked, "uniform_scans", lambda layout: False)
+        check(run_gla(x, backend="torch"), fast, 1e-6, f"uniform vs general scans, block budget {block_bytes}")
+        monkeypatch.undo()
+
+
 def test_scratch_buffers_kept_between_calls_are_written_before_read(threads):
     """The calling thread's scratch buffers (kept between calls on the CPU) poisoned with NaN after
     a call of a larger shape: a smaller call still matches its result on a fresh thread's buffers,
