@@ -36,7 +36,7 @@ Numerics (SPEC.md §3):
   6e-5 would put ~4e-5 relative error on every decay, against the 1e-5 bar), formed by span_sums;
   with 16-bit inputs on an accelerator (bar 5e-3) it is a difference of the chunk's cumulative gate
   b (one cumsum a block, gate_cumsum), as in the CUDA kernels: there the span sums are fp32 matmuls
-  on CUDA cores, 223 of the 600 GFLOP of a B8 T4096 H16 D128 forward+backward
+  on CUDA cores, 76 of the 264 GFLOP of a B8 T4096 H16 D128 forward+backward
   (bench/torch_backend_census.py);
 - the gate gradient is summed per quadrant (a pair s < t contributes to dg_u for s < u <= t)
   instead of as the reverse cumsum of q*dq - k*dk, whose large diagonal terms cancel (3e-5 error
@@ -666,34 +666,28 @@ def uniform_scans(layout: Layout) -> bool:
     return layout.uniform
 
 
+def _walk(states, kw, v, whole, entering) -> None:
+    """The states of consecutive scan steps of equal-length sequences (N = entering.shape[0] rows a
+    step), each formed in place of its chunk's product: states[step j] = kw_j^T v_j first, then
+    e^(b_last) (the state before) + kw_j^T v_j, starting from `entering`."""
+    N = entering.shape[0]
+    torch.bmm(kw.flatten(0, 1).transpose(-1, -2), v.flatten(0, 1), out=states.flatten(0, 1))
+    for a in range(0, states.shape[0], N):
+        states[a:a + N].addcmul_(whole[a:a + N].unsqueeze(-1), entering)
+        entering = states[a:a + N]
+
+
 def _uniform_forward_scan(S, qb, kb, vb, whole, ob, scale, ws: Scratch) -> None:
     """One forward block's scan: o += scale (q e^b) S_c for every chunk c, and S (the running state
     [N, H, K, V]) from the block's entering state to its leaving one."""
     N, H, K, V = S.shape
     rows = kb.shape[0]
-    states = ws.take("scan_states", (rows, H, K, V))  # chunk c's row: first kw^T v, then S_{c+1}
-    torch.bmm(kb.flatten(0, 1).transpose(-1, -2), vb.flatten(0, 1), out=states.flatten(0, 1))
-    entering = S
-    for a in range(0, rows, N):
-        states[a:a + N].addcmul_(whole[a:a + N].unsqueeze(-1), entering)  # S_{c+1} = e^(b_last) S_c + kw^T v
-        entering = states[a:a + N]
+    states = ws.take("scan_states", (rows, H, K, V))  # chunk c's row: S_{c+1}
+    _walk(states, kb, vb, whole, S)
     _flat3(ob, 0, N).baddbmm_(_flat3(qb, 0, N), S.flatten(0, 1), alpha=scale)
     if rows > N:  # chunk c > first: its entering state is the previous chunk's row of `states`
         _flat3(ob, N, rows - N).baddbmm_(_flat3(qb, N, rows - N), states[:rows - N].flatten(0, 1), alpha=scale)
     S.copy_(states[rows - N:])
-
-
-def _uniform_state_walk(h, kb, vb, whole, a0: int, steps: int, N: int) -> None:
-    """B0 for `steps` steps of equal-length sequences: h rows a0 + N .. a0 + (steps + 1) N (the states
-    entering the block's chunks after its first) from h's rows a0 .. (kb, vb, whole: the block's
-    rows from a0 on, kw = k e^(b_last - b))."""
-    if steps == 0:
-        return
-    n = steps * N
-    nxt = h[a0 + N:a0 + N + n]
-    torch.bmm(kb[:n].flatten(0, 1).transpose(-1, -2), vb[:n].flatten(0, 1), out=nxt.flatten(0, 1))
-    for a in range(0, n, N):
-        h[a0 + N + a:a0 + 2 * N + a].addcmul_(whole[a:a + N].unsqueeze(-1), h[a0 + a:a0 + N + a])
 
 
 def _uniform_gradient_walk(dS, dh, qw, dob, whole, scale: float) -> None:
@@ -762,7 +756,10 @@ def _backward(layout: Layout, q, k, v, g, scale, h0, do, dht, cd, outs):
         dec = decays(gl, ws, from_start=False, cum=gate_cumsum(gl, ws) if by_difference(q) else None)
         kb.mul_(dec.to_end)
         if uniform_scans(layout):
-            _uniform_state_walk(h, kb, vb, dec.whole, p0, min(c1, len(counts) - 1) - c0, layout.N)
+            # B0: the states entering the block's chunks after its first, from h's rows at p0
+            n = (min(c1, len(counts) - 1) - c0) * layout.N
+            if n:
+                _walk(h[p0 + layout.N:p0 + layout.N + n], kb[:n], vb[:n], dec.whole[:n], h[p0:p0 + layout.N])
             continue
         for c in range(c0, min(c1, len(counts) - 1)):
             a, n = firsts[c] - p0, counts[c + 1]
