@@ -6,7 +6,7 @@ peak memory of each (peak allocated during the call minus what the inputs alread
 two ways: CUDA events around each call with a synchronise between calls (median of --reps), and
 back-to-back (--reps calls between two events, mean).
 
-bf16, g = logsigmoid(randn) (fla's tests), no initial state, no final state. fla comes from its wheel
+bf16 (--dtype), g = logsigmoid(randn) (fla's tests), no initial state, no final state. fla comes from its wheel
 (fla-core 0.6.0) on the GPU machine:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:python GLA_LIBRARY=build-cuda/libgla.so python3 bench/cuda/bench_training.py
@@ -58,14 +58,14 @@ CASES = [
 ]
 
 
-def make_inputs(B, T, H, K, V, cu, requires_grad):
+def make_inputs(B, T, H, K, V, cu, requires_grad, dtype=torch.bfloat16):
     torch.manual_seed(0)
     dev = "cuda"
-    q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.randn(B, T, H, K, device=dev, dtype=torch.float32)).to(torch.bfloat16)
-    do = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    k = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    v = torch.randn(B, T, H, V, device=dev, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, K, device=dev, dtype=torch.float32)).to(dtype)
+    do = torch.randn(B, T, H, V, device=dev, dtype=dtype)
     leaves = [x.requires_grad_(requires_grad) for x in (q, k, v, g)]
     cu_t = torch.tensor(cu, dtype=torch.int32, device=dev) if cu else None
     cu_cpu = torch.tensor(cu, dtype=torch.int32) if cu else None
@@ -185,6 +185,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", default="", help="comma-separated case labels, run in this order (default: all)")
     ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="of q, k, v, g and do (fp32: libgla's backward is the recurrent token loop, fla's TF32)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--fla-compile-only", action="store_true",
@@ -212,12 +214,12 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"fla not importable ({type(e).__name__}: {e}); libgla only", file=sys.stderr)
     rows = []
-    print(f"{torch.cuda.get_device_name()}  torch {torch.version.__version__}  reps {args.reps}")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.version.__version__}  reps {args.reps}  {args.dtype}")
     print(f"{'case':36s} {'pass':8s} {'libgla ms':>10s} {'fla ms':>9s} {'ratio':>6s} {'b2b libgla':>10s} "
           f"{'b2b fla':>8s} {'b2b ratio':>9s} {'MiB libgla':>10s} {'MiB fla':>8s} {'grad diff':>9s}")
     for label, B, T, H, K, V, cu in cases:
         for backward in ((False,) if args.forward_only else (False, True)):
-            leaves, do, cu_t, cu_cpu = make_inputs(B, T, H, K, V, cu, backward)
+            leaves, do, cu_t, cu_cpu = make_inputs(B, T, H, K, V, cu, backward, getattr(torch, args.dtype))
             ours = time_calls(lambda: run_gla(leaves, do, cu_t, cu_cpu, backward), leaves, args.reps,
                               label=f"libgla {label}")
             theirs, diff = (float("nan"),) * 3, float("nan")
