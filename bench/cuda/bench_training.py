@@ -186,7 +186,7 @@ def main():
     ap.add_argument("--cases", default="", help="comma-separated case labels, run in this order (default: all)")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                    help="of q, k, v, g and do (fp32: libgla's backward is the recurrent token loop, fla's TF32)")
+                    help="of q, k, v, g and do (fp32: the cuda backend declines the backward, which runs on `torch`)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", default="")
     ap.add_argument("--fla-compile-only", action="store_true",

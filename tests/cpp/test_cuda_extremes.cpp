@@ -1,6 +1,7 @@
 // The cuda backend on the extreme inputs of extreme_inputs.hpp, with tensors in CUDA memory and
 // NaN-filled outputs: gates in [-1e4, 0] with zeros and -inf, q/k/v up to 1e4, K or V of 1, T = 1,
-// empty sequences throughout a varlen batch (forward and backward in fp32 and bf16), non-contiguous inputs served or declined with a reason, and 10^6 tokens
+// empty sequences throughout a varlen batch (forward in fp32 and bf16, backward in bf16, the dtypes
+// the backward serves), non-contiguous inputs served or declined with a reason, and 10^6 tokens
 // with int64 offsets against the recurrent reference run in slices. Skips with a message where no
 // CUDA device is present.
 #include <gtest/gtest.h>
@@ -125,12 +126,12 @@ void expect_matches(const Inputs& in, const std::string& what, bool backward) {
 
 class CudaExtremes : public ::testing::TestWithParam<int32_t> {};
 
-// Forward and backward in both dtypes (fp32's backward on the recurrent token loop).
+// Forward in every dtype; backward where the cuda backend serves it (16-bit inputs).
 TEST_P(CudaExtremes, MatchReference) {
   SKIP_WITHOUT_CUDA();
   for (const ExtremeCase& x : extreme_cases(GetParam())) {
     SCOPED_TRACE(x.name);
-    expect_matches(x.in, x.name, true);
+    expect_matches(x.in, x.name, GetParam() != GLA_DTYPE_F32);
   }
 }
 
@@ -177,7 +178,7 @@ TEST(CudaExtremes, NonContiguousServedOrDeclinedWithAReason) {
 }
 
 // 10^6 tokens in int64-offset sequences (one empty), H = 1, K = V = 4: the cuda forward in fp32 and
-// bf16 against the recurrent reference in 2^16-token slices; the backward in both against the reference.
+// bf16 against the recurrent reference in 2^16-token slices; the bf16 backward against the reference.
 TEST(CudaExtremes, MillionTokenSequence) {
   SKIP_WITHOUT_CUDA();
   for (int32_t dtype : {GLA_DTYPE_F32, GLA_DTYPE_BF16}) {
@@ -186,14 +187,17 @@ TEST(CudaExtremes, MillionTokenSequence) {
     Outputs loop, got;
     ASSERT_EQ(recurrent_reference_in_slices(in, int64_t{1} << 16, loop), GLA_STATUS_OK) << gla_last_error();
     std::string error;
-    ASSERT_EQ(run_cuda(in, got, true, error), GLA_STATUS_OK) << error;
+    const bool backward = dtype != GLA_DTYPE_F32;
+    ASSERT_EQ(run_cuda(in, got, backward, error), GLA_STATUS_OK) << error;
     std::string report;
     EXPECT_LT(max_error(got, loop, false, report), cuda_tolerance(dtype)) << report;
     std::printf("[ 10^6     ] %s forward against the recurrent reference: %s\n", dtype_name(dtype), report.c_str());
-    Outputs ref;
-    ASSERT_EQ(run_backward(in, ref, {"reference"}), GLA_STATUS_OK) << gla_last_error();
-    EXPECT_LT(max_error(got, ref, true, report), cuda_tolerance(dtype)) << report;
-    std::printf("[ 10^6     ] %s backward against the reference: %s\n", dtype_name(dtype), report.c_str());
+    if (backward) {
+      Outputs ref;
+      ASSERT_EQ(run_backward(in, ref, {"reference"}), GLA_STATUS_OK) << gla_last_error();
+      EXPECT_LT(max_error(got, ref, true, report), cuda_tolerance(dtype)) << report;
+      std::printf("[ 10^6     ] %s backward against the reference: %s\n", dtype_name(dtype), report.c_str());
+    }
   }
 }
 

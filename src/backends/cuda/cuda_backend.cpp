@@ -1,8 +1,7 @@
 // The `cuda` backend: NVIDIA GPUs, compute capability 8.0 and up. Implements the whole chunk
-// forward (GLA_UNIT_CHUNK_FWD, chunk_forward.hpp) and backward (GLA_UNIT_CHUNK_BWD: 16-bit inputs on
-// chunk_backward.hpp's tensor-core kernels, fp32 inputs on the recurrent backward's fp32 token loop),
-// and the recurrent operator's forward and backward (GLA_UNIT_RECURRENT_FWD / BWD, recurrent.hpp);
-// what it declines falls through to other backends.
+// forward (GLA_UNIT_CHUNK_FWD, chunk_forward.hpp) and backward (GLA_UNIT_CHUNK_BWD, 16-bit inputs,
+// chunk_backward.hpp), and the recurrent operator's forward and backward (GLA_UNIT_RECURRENT_FWD /
+// BWD, recurrent.hpp); what it declines falls through to other backends.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -311,19 +310,13 @@ class Workspace {
 
 bool recurrent(const gla_problem& p) { return p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD; }
 
-// The chunk backward of fp32 q, k, v runs on the recurrent backward's kernels: chunk_bwd's gradients
-// are those of the same recurrence, and the token loop is IEEE fp32 throughout (no tensor cores), so
-// fp32 inputs keep fp32 precision (SPEC §5's 1e-5 bar) instead of falling through to `torch`.
-bool token_loop_backward(const gla_problem& p) { return p.unit == GLA_UNIT_CHUNK_BWD && p.dtype == GLA_DTYPE_F32; }
-
 class CudaBackend final : public Backend {
  public:
   std::string name() const override { return "cuda"; }
   int priority() const override { return 10; }
   // Compute capability 8.0 and up. The forward: the float dtypes, K up to 512 (two passes of
   // 128-wide key halves past 128), any V; the backward: 16-bit q, k, v (tensor-core operands), K and
-  // V up to 512, and fp32 q, k, v on the recurrent backward's token loop (per-key gate, K up to
-  // kRecurrentMaxK, any V); the recurrent forward and backward: K up to kRecurrentMaxK (the state tile in
+  // V up to 512; the recurrent forward and backward: K up to kRecurrentMaxK (the state tile in
   // registers), the backward without the state pool (a serving step has no gradient). Rows
   // at stride 1 (vector loads); saved chunk states in bf16; no atomics anywhere, so deterministic.
   const std::vector<gla_capability>& capabilities() const override {
@@ -341,11 +334,6 @@ class CudaBackend final : public Backend {
       backward.unit_mask = unit_bit(GLA_UNIT_CHUNK_BWD);
       backward.dtype_mask = dtype_bit(GLA_DTYPE_F16) | dtype_bit(GLA_DTYPE_BF16);
       backward.v_max = 512;
-      gla_capability backward_f32 = backward;
-      backward_f32.dtype_mask = dtype_bit(GLA_DTYPE_F32);
-      backward_f32.k_max = cuda::kRecurrentMaxK;
-      backward_f32.v_max = 0;
-      backward_f32.features = chunk_features & ~GLA_FEATURE_PER_HEAD_GATE;
       gla_capability recurrent = forward;
       recurrent.unit_mask = unit_bit(GLA_UNIT_RECURRENT_FWD);
       recurrent.k_max = cuda::kRecurrentMaxK;
@@ -353,7 +341,7 @@ class CudaBackend final : public Backend {
       gla_capability recurrent_backward = recurrent;
       recurrent_backward.unit_mask = unit_bit(GLA_UNIT_RECURRENT_BWD);
       recurrent_backward.features &= ~(GLA_FEATURE_STATE_POOL | GLA_FEATURE_TOKEN_STATES);
-      return std::vector<gla_capability>{forward, backward, backward_f32, recurrent, recurrent_backward};
+      return std::vector<gla_capability>{forward, backward, recurrent, recurrent_backward};
     }();
     return records;
   }
@@ -371,7 +359,7 @@ class CudaBackend final : public Backend {
     std::vector<std::string> why;
     const DeviceInfo& device = device_info(p.device_index);
     if (!device.ok) why.push_back("CUDA device " + std::to_string(p.device_index) + " is not visible to this process");
-    if (recurrent(p) || token_loop_backward(p)) {
+    if (recurrent(p)) {
       for (auto& w : cuda::recurrent_checks(p)) why.push_back(std::move(w));
       return why;
     }
@@ -416,7 +404,7 @@ class CudaBackend final : public Backend {
   }
 
   size_t workspace_size(const gla_problem& p) const override {
-    if (recurrent(p) || token_loop_backward(p)) return cuda::recurrent_workspace(p);
+    if (recurrent(p)) return cuda::recurrent_workspace(p);
     if (p.backward) return backward_plan(p).workspace_bytes;
     const cuda::ForwardParams f = make_params(p);
     return cached_plan(f, p).workspace_bytes;
@@ -424,7 +412,6 @@ class CudaBackend final : public Backend {
 
   std::string plan_note(const gla_problem& p) const override {
     if (recurrent(p)) return cuda::recurrent_plan_note(p);
-    if (token_loop_backward(p)) return "chunk backward of fp32 inputs (IEEE fp32, no tensor cores) on the " + cuda::recurrent_plan_note(p);
     if (p.backward) {
       const cuda::BackwardPlan plan = backward_plan(p);
       const char* walks = plan.scan_directions == 0 ? "no state walks (saved chunk states; state gradients by the reversed forward)"
@@ -467,7 +454,7 @@ class CudaBackend final : public Backend {
       cuda::run_recurrent(p);
       return;
     }
-    if (p.unit == GLA_UNIT_RECURRENT_BWD || token_loop_backward(p)) {
+    if (p.unit == GLA_UNIT_RECURRENT_BWD) {
       DeviceGuard guard(p.device_index);
       const Workspace workspace(*this, p, cuda::recurrent_workspace(p), 16);
       cuda::run_recurrent_backward(p, workspace.data());

@@ -116,7 +116,7 @@ std::vector<std::string> recurrent_checks(const gla_problem& p) {
   if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) why.push_back("cu_seqlens must be in CUDA device memory");
   if (p.N * value_tiles(p) > 0x7fffffff) why.push_back("N * ceil(V/32) > 2^31 - 1 (grid limit)");
   if (p.H > 65535) why.push_back("H > 65535 (grid limit)");
-  if (p.backward) return why;  // the backward (also the chunk backward's fp32 route) moves states element by element
+  if (p.unit == GLA_UNIT_RECURRENT_BWD) return why;  // the backward moves states element by element
   const bool pool = present(p.state_slots);
   struct Named {
     const char* name;
@@ -158,7 +158,7 @@ void run_recurrent(const gla_problem& p) {
 }
 
 size_t recurrent_workspace(const gla_problem& p) {
-  if (!p.backward) return 0;
+  if (p.unit != GLA_UNIT_RECURRENT_BWD) return 0;
   // By presence: explain() describes outputs without data.
   return recurrent_backward_workspace(backward_params(p), present(p.dq) + present(p.dk) + present(p.dg));
 }
@@ -173,7 +173,7 @@ void run_recurrent_backward(const gla_problem& p, void* workspace) {
 
 std::string recurrent_plan_note(const gla_problem& p) {
   const std::string ctas = std::to_string(p.N * p.H * value_tiles(p)) + " CTAs";
-  if (!p.backward) {
+  if (p.unit != GLA_UNIT_RECURRENT_BWD) {
     return "recurrent decode kernel: one CTA per (sequence, head, 32-value tile), " + ctas +
            ", fp32 state tile in registers";
   }

@@ -16,9 +16,8 @@ std::vector<std::string> recurrent_checks(const gla_problem& problem);
 // The forward (GLA_UNIT_RECURRENT_FWD); throws gla::Error when the launch fails.
 void run_recurrent(const gla_problem& problem);
 
-// Workspace bytes of a backward (the checkpoints and per-value-tile partial sums); 0 for the forward.
-// The backward functions also take GLA_UNIT_CHUNK_BWD problems (the cuda backend's fp32 chunk
-// backward): the same fields, no value gate, forward time order.
+// Workspace bytes of GLA_UNIT_RECURRENT_BWD (the backward's checkpoints and per-value-tile partial
+// sums); 0 for the forward.
 size_t recurrent_workspace(const gla_problem& problem);
 // The backward with `workspace` (recurrent_workspace bytes, 16-byte aligned); throws gla::Error when
 // the launch fails.
