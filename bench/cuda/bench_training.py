@@ -122,8 +122,8 @@ def time_calls(fn, leaves, reps, warmup=3, label=""):
     start.record()
     for _ in range(reps):
         # Without this each backward after the first adds its gradients into the last call's (one
-        # more elementwise pass over q, k, v, g per call: ~0.45 ms of libgla's 2.44 ms b2b fwd+bwd at
-        # B8 T4096 H16 D128 on an H100 against 2.00 ms synchronised). Host-only: nothing waits.
+        # more elementwise pass over q, k, v, g per call; with it libgla's b2b fwd+bwd at B8 T4096
+        # H16 D128 read 2.44 ms on an H100 against 2.00 ms synchronised). Host-only: nothing waits.
         clear_grads(leaves)
         fn()
     end.record()
