@@ -121,9 +121,9 @@ def time_calls(fn, leaves, reps, warmup=3, label=""):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        # Without this each backward after the first adds its gradients into the last call's (one
-        # more elementwise pass over q, k, v, g per call; with it libgla's b2b fwd+bwd at B8 T4096
-        # H16 D128 read 2.44 ms on an H100 against 2.00 ms synchronised). Host-only: nothing waits.
+        # Without this each backward after the first adds its gradients into the last call's: one
+        # more elementwise pass over q, k, v, g per call, under which libgla's b2b fwd+bwd at B8
+        # T4096 H16 D128 read 2.44 ms on an H100 against 2.00 ms synchronised. Host-only: nothing waits.
         clear_grads(leaves)
         fn()
     end.record()
