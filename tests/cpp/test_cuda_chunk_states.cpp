@@ -3,7 +3,8 @@
 // states against the cpu backend's fp32 ones (themselves checked against the reference's fwd_h
 // stage in test_chunk_states.cpp), every state written (NaN-poisoned before the call); the backward
 // from them against the reference, on both paths of the state gradients (T a multiple of 64: no
-// state walks at all; else the reverse walks only) and with varlen (states uploaded from the cpu's);
+// state walks at all; else the reverse walks only) and with varlen (the forward's states, and the
+// cpu's uploaded);
 // bitwise reruns; and the declines with their reasons. Skips with a message without a CUDA device.
 #include <gtest/gtest.h>
 
@@ -225,19 +226,39 @@ TEST(CudaChunkStates, ForwardSavesAndBackwardReads) {
   check_round_trip(base_case(GLA_DTYPE_BF16, 1, 65536 - 17, 1, 64));
 }
 
-// With cu_seqlens the forward declines (below); the backward reads states in the C API's
-// per-sequence layout, here the cpu's rounded to bf16.
-TEST(CudaChunkStates, BackwardReadsVarlenStates) {
+// With cu_seqlens the states are in the C API's per-sequence layout (slot: the sequence's first chunk,
+// from a chunk table the forward builds on the device): the forward saves them (every slot written,
+// matching the cpu backend's), and the backward reads them, the forward's and the cpu's rounded to
+// bf16. Empty, one-token and partial-chunk sequences; both forward kernels (the fp32 gate takes the
+// single-role one); K != V with the key split; a sequence long enough for the segment splits.
+TEST(CudaChunkStates, VarlenForwardSavesAndBackwardReads) {
   SKIP_WITHOUT_CUDA();
   for (const std::vector<int64_t>& cu : {std::vector<int64_t>{0, 0, 1, 65, 200, 200, 330}, {0, 128, 128, 320}}) {
-    for (int64_t D : {64, 100}) {
+    for (int64_t D : {64, 100, 128}) {
       Case c = base_case(GLA_DTYPE_BF16, 1, cu.back(), 2, D);
       c.cu_seqlens = cu;
+      check_round_trip(c);
       SCOPED_TRACE(c.label());
       const Inputs in = make_inputs(c);
       expect_matches_reference(in, cuda_backward_from(in, to_bf16(cpu_states(in))));
     }
   }
+  for (auto kv : {std::pair<int64_t, int64_t>{256, 512}, {64, 128}, {128, 256}, {200, 72}}) {
+    Case c = base_case(GLA_DTYPE_BF16, 1, 330, 2, 64);
+    c.cu_seqlens = {0, 0, 1, 65, 200, 200, 330};
+    c.K = kv.first;
+    c.V = kv.second;
+    check_round_trip(c);
+    c.state_v_first = true;
+    check_round_trip(c);
+  }
+  Case f = base_case(GLA_DTYPE_F16, 1, 330, 2, 128);
+  f.cu_seqlens = {0, 130, 130, 330};
+  f.gate_f32 = true;
+  check_round_trip(f);
+  Case longer = base_case(GLA_DTYPE_BF16, 1, 20100, 1, 64);
+  longer.cu_seqlens = {0, 100, 20100};
+  check_round_trip(longer);
 }
 
 TEST(CudaChunkStates, BitwiseReruns) {
@@ -263,9 +284,6 @@ TEST(CudaChunkStates, DeclinesWithReasons) {
     const char* reason;
   };
   std::vector<Decline> declines;
-  Case varlen = base_case(GLA_DTYPE_BF16, 1, 192, 1, 64);
-  varlen.cu_seqlens = {0, 64, 192};
-  declines.push_back({varlen, GLA_DTYPE_BF16, "saves chunk states only without cu_seqlens"});
   declines.push_back({base_case(GLA_DTYPE_BF16, 1, 128, 1, 64), GLA_DTYPE_F32,
                       "does not write saved chunk states in f32 (chunk_states)"});
   declines.push_back({base_case(GLA_DTYPE_F32, 1, 128, 1, 64), GLA_DTYPE_BF16, "saved chunk states need 16-bit q, k, v"});

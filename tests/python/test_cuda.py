@@ -210,6 +210,42 @@ def test_cuda_saved_chunk_states(T, K, V):
         assert rel(a.double().cpu(), want.double()) < 5e-3, f"autograd {name}: {rel(a.double().cpu(), want.double()):.3e}"
 
 
+@pytest.mark.parametrize("K,V", [(64, 128), (100, 36), (256, 512)])
+def test_cuda_saved_chunk_states_varlen(K, V):
+    """With cu_seqlens the saved states are in the per-sequence layout, [sum of ceil(T_n / 64), H, K, V]
+    (empty, one-token and partial-chunk sequences here); chunk_bwd from them matches chunk_bwd without
+    them and the reference, and gla.chunk_gla's autograd keeps them."""
+    if not _has_cuda_backend():
+        pytest.skip("no native cuda backend in this build of libgla")
+    cu = [0, 0, 1, 65, 200, 200, 330]
+    host = make_inputs(B=1, T=cu[-1], H=2, K=K, V=V, cu_seqlens=cu, dtype=torch.bfloat16, seed=14)
+    ref = run_gla(host, backend="reference")
+    x = _to(host, "cuda")
+    cu_cpu = torch.tensor(cu)
+    args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], x["cu_seqlens"], cu_cpu, K ** -0.5, False, True)
+    o, ht, states = torch.ops.gla.chunk_fwd_saving_states(*args)
+    chunks = sum(-(-(b - a) // 64) for a, b in zip(cu, cu[1:]))
+    assert states.dtype == torch.bfloat16 and states.shape == (chunks, 2, K, V)
+    assert torch.isfinite(states).all()
+    o_plain, ht_plain = torch.ops.gla.chunk_fwd(*args)
+    assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
+    bwd = args[:7] + (x["do"], x["dht"], K ** -0.5, False, "", 0, False)
+    from_states = torch.ops.gla.chunk_bwd(*bwd, states)
+    recomputed = torch.ops.gla.chunk_bwd(*bwd)
+    for name, a, b, want in zip(NAMES[2:], from_states, recomputed, ref[2:]):
+        assert rel(a.float(), b.float()) < 5e-3, f"{name}: from states vs recomputed {rel(a.float(), b.float()):.3e}"
+        assert rel(a.double().cpu(), want.double()) < 5e-3, f"{name}: vs reference {rel(a.double().cpu(), want.double()):.3e}"
+    saved = []
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "initial_state")]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        o, ht = gla.chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True,
+                              cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=cu)
+    assert (torch.bfloat16, tuple(states.shape)) in saved, saved
+    grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
+    for name, a, want in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref[2:]):
+        assert rel(a.double().cpu(), want.double()) < 5e-3, f"autograd {name}: {rel(a.double().cpu(), want.double()):.3e}"
+
+
 @pytest.mark.parametrize("T,K,V", [(300, 64, 128), (192, 256, 512), (256, 128, 64)])
 def test_cuda_fla_layer_call_matches_reference(T, K, V):
     """The call fla's GLA layer makes in training: bf16, state_v_first=True, no initial state, no
@@ -227,12 +263,12 @@ def test_cuda_fla_layer_call_matches_reference(T, K, V):
 
 
 def test_cuda_no_saved_chunk_states_where_the_backend_saves_none():
-    """Varlen, fp32 inputs and a backend without saved states (`torch`): no states (numel 0), the
-    same outputs as chunk_fwd."""
+    """fp32 inputs and a backend without saved states (`torch`, also with cu_seqlens): no states
+    (numel 0), the same outputs as chunk_fwd."""
     if not _has_cuda_backend():
         pytest.skip("no native cuda backend in this build of libgla")
     cu = [0, 64, 200]
-    for inputs, backend in ((make_inputs(B=1, T=200, H=2, K=64, cu_seqlens=cu, dtype=torch.bfloat16), ""),
+    for inputs, backend in ((make_inputs(B=1, T=200, H=2, K=64, cu_seqlens=cu, dtype=torch.bfloat16), "torch"),
                             (make_inputs(B=2, T=200, H=2, K=64, dtype=torch.float32), ""),
                             (make_inputs(B=2, T=200, H=2, K=64, dtype=torch.bfloat16), "torch")):
         x = _to(inputs, "cuda")

@@ -36,11 +36,32 @@ double default_scale(const Tensor& q) {
 }
 
 // Saved chunk states (gla.h, gla_chunk_forward_saving_states) in bf16 [NC, H, K, V] where a backend
-// may save them: CUDA tensors, 16-bit q, no cu_seqlens, K <= 256 (the cuda backend's conditions;
-// anything else gets none, and the backward recomputes them).
-bool may_save_states(const gla_tensor& q, const std::optional<Tensor>& cu_seqlens) {
+// may save them: CUDA tensors, 16-bit q, K <= 256 (the cuda backend's conditions; anything else gets
+// none, and the backward recomputes them).
+bool may_save_states(const gla_tensor& q) {
   return q.device_type == GLA_DEVICE_CUDA && (q.dtype == GLA_DTYPE_BF16 || q.dtype == GLA_DTYPE_F16) &&
-         !cu_seqlens.has_value() && q.rank == 4 && q.sizes[3] <= 256;
+         q.rank == 4 && q.sizes[3] <= 256;
+}
+
+// NC with cu_seqlens: the sum of ceil(T_n / 64) over the host copy of the offsets; -1 where they cannot
+// be read as offsets (the call then runs without states, and libgla names what is wrong with them).
+int64_t varlen_chunks(const gla_tensor& host) {
+  if (host.data == nullptr || host.device_type != GLA_DEVICE_CPU || host.rank != 1 || host.sizes[0] < 1 ||
+      (host.dtype != GLA_DTYPE_I32 && host.dtype != GLA_DTYPE_I64)) {
+    return -1;
+  }
+  auto offset = [&](int64_t i) {
+    const int64_t at = i * host.strides[0];
+    return host.dtype == GLA_DTYPE_I64 ? static_cast<const int64_t*>(host.data)[at]
+                                       : int64_t{static_cast<const int32_t*>(host.data)[at]};
+  };
+  int64_t chunks = 0;
+  for (int64_t n = 0; n + 1 < host.sizes[0]; ++n) {
+    const int64_t len = offset(n + 1) - offset(n);
+    if (len < 0) return -1;
+    chunks += (len + 63) / 64;
+  }
+  return chunks;
 }
 
 // The forward, saving chunk states when save_states and may_save_states: (o, final state, states),
@@ -72,8 +93,11 @@ std::tuple<Tensor, Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, Tensor 
   gla_options options =
       make_options(scale.has_value() ? *scale : default_scale(q), state_v_first, backend, policy, q);
   options.check_inputs = check_inputs ? 1 : 0;
-  if (save_states && may_save_states(dq, cu_seqlens)) {
-    const int64_t sizes[4] = {dq.sizes[0] * ((dq.sizes[1] + 63) / 64), dq.sizes[2], dq.sizes[3], dv.rank == 4 ? dv.sizes[3] : 0};
+  const int64_t chunks = !save_states || !may_save_states(dq) ? -1
+                       : cu_seqlens.has_value()          ? varlen_chunks(dhost)
+                                                         : dq.sizes[0] * ((dq.sizes[1] + 63) / 64);
+  if (chunks >= 0) {
+    const int64_t sizes[4] = {chunks, dq.sizes[2], dq.sizes[3], dv.rank == 4 ? dv.sizes[3] : 0};
     Tensor states = empty(sizes, 4, bfloat16_dtype(), q);
     const gla_tensor dstates = describe("chunk_states", states);
     if (run_with_states(gla_chunk_forward_saving_states_with_allocator, args, dstates, options, q) == GLA_STATUS_OK) {

@@ -14,33 +14,6 @@ static_assert(sizeof(ScanShared) == kScanSharedBytes, "update kScanSharedBytes (
 static_assert(sizeof(DqkShared) == kDqkSharedBytes, "update kDqkSharedBytes (chunk_backward.hpp): the planner reports it");
 namespace {
 
-constexpr int kOffsetThreads = 1024;
-
-// chunk_offsets[n] = Σ_{m<n} ceil(T_m / 64), from device cu_seqlens: one CTA, a block scan.
-__global__ void __launch_bounds__(kOffsetThreads) chunk_offsets_kernel(BackwardParams p, int64_t* offsets) {
-  __shared__ int64_t partial[kOffsetThreads];
-  const int tid = threadIdx.x;
-  const int64_t per = (p.N + kOffsetThreads - 1) / kOffsetThreads;
-  const int64_t n0 = tid * per < p.N ? tid * per : p.N;
-  const int64_t n1 = n0 + per < p.N ? n0 + per : p.N;
-  int64_t count = 0;
-  for (int64_t n = n0; n < n1; ++n) count += (sequence(p, n).len + kChunk - 1) / kChunk;
-  partial[tid] = count;
-  __syncthreads();
-  for (int stride = 1; stride < kOffsetThreads; stride <<= 1) {
-    const int64_t add = tid >= stride ? partial[tid - stride] : 0;
-    __syncthreads();
-    partial[tid] += add;
-    __syncthreads();
-  }
-  int64_t running = partial[tid] - count;  // exclusive prefix
-  if (tid == 0) offsets[0] = 0;
-  for (int64_t n = n0; n < n1; ++n) {
-    running += (sequence(p, n).len + kChunk - 1) / kChunk;
-    offsets[n + 1] = running;
-  }
-}
-
 // A per-head gate's dg: the sum of the key tiles' partial sums, in tile order.
 __global__ void gate_sum_kernel(BackwardParams p, int key_tiles, const float* partials) {
   const int64_t total = p.B * p.T * p.H;
@@ -168,7 +141,7 @@ cudaError_t launch_backward(const BackwardParams& p, const BackwardPlan& plan, v
   if (p.saved_states != nullptr) {  // read only (no forward walks run)
     ws.states = const_cast<backward::StateElement*>(reinterpret_cast<const backward::StateElement*>(p.saved_states));
   }
-  backward::chunk_offsets_kernel<<<1, backward::kOffsetThreads, 0, stream>>>(p, ws.chunk_offsets);
+  detail::chunk_offsets_kernel<<<1, detail::kChunkOffsetThreads, 0, stream>>>(p, ws.chunk_offsets);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   return p.dtype == kBF16 ? backward::launch_typed<__nv_bfloat16>(p, plan, ws, workspace, stream)

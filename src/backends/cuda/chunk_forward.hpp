@@ -55,12 +55,14 @@ struct ForwardParams {
   // Chunk-start states for the backward (null: none stored): before each chunk's update the chunk
   // kernels store the state block, rounded to bf16, at chunk_states + P * chunk_states_stride[0]
   // + c * chunk_states_stride[1] + h * chunk_states_stride[2] + key * chunk_states_stride[3] + value,
-  // c the chunk within its sequence and P its sequence's first chunk: batch * ceil(T / 64), or with
-  // varlen bos / 64 (the caller keeps every sequence start a multiple of 64). Strides in elements,
+  // c the chunk within its sequence and P its sequence's first chunk: n * ceil(T / 64), or with
+  // varlen chunk_first[n] (launch_chunk_first), or bos / 64 where chunk_first is null (the
+  // backward's reversed forward, whose sequence starts are multiples of 64). Strides in elements,
   // negative ones allowed: the backward's reversed forward stores its chunks in the original order.
   // The recurrent kernel does not store them (the planner's callers check plan.kernel).
   uint16_t* chunk_states;
   int64_t chunk_states_stride[4];
+  const int64_t* chunk_first;  // device [N + 1], with varlen chunk_states: sum of ceil(T_m / 64) over m < n
   // The pass's part in a key split (ForwardPlan::key_split; the warp-specialised kernel picks an
   // instance by it, the single-role kernel reads it at run time). 0: the whole K. 1: the first key
   // half, o = q S without the intra-chunk term. 2: the second half, with the intra-chunk term from
@@ -136,6 +138,10 @@ void order_blocks(ForwardPlan& plan, const int64_t* seq_offsets, int64_t N);
 // 256-byte aligned.
 cudaError_t launch_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace,
                            cudaStream_t stream);
+
+// first[n] = sum over m < n of ceil(T_m / 64), n = 0..N, from p's device cu_seqlens (one small
+// kernel): ForwardParams::chunk_first for storing chunk states with varlen.
+cudaError_t launch_chunk_first(const ForwardParams& p, int64_t* first, cudaStream_t stream);
 
 // Individual families (used by launch_forward and the standalone harness).
 cudaError_t launch_chunk_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace,

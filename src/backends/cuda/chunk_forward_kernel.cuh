@@ -411,7 +411,7 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
         qs[(t + 1) * L.pq + vv + 8] = X::from_float(acc[nt][3] * sc);
       }
     }
-    if (full && p.chunk_states != nullptr) store_chunk_state<DK>(S, p, seq.batch, seq.bos, c, h, v0, vrow, lane);
+    if (full && p.chunk_states != nullptr) store_chunk_state<DK>(S, p, n, seq.bos, c, h, v0, vrow, lane);
     state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
     if (full) {
       __syncthreads();

@@ -680,19 +680,19 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       const bool store_state = full && p.chunk_states != nullptr;
       // The first key half has no intra-chunk term (its A slots stay zero): its 20 A v mmas skipped.
       if constexpr (kProductsBranch) {
-        if (store_state) store_chunk_state_paired<DK>(S, p, seq.batch, seq.bos, c, h, v0, vrow, lane);
+        if (store_state) store_chunk_state_paired<DK>(S, p, n, seq.bos, c, h, v0, vrow, lane);
         if (rows > 0) {  // always: kProductsBranch says why
           if (full) o_tile<DK, X, true>(acc, S, vf, qw, L.pq, As, L.pa, lane);
           state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
         }
       } else if constexpr (kStoresInUpdate) {
         const ChunkStateStore store =
-            store_state ? ChunkStateStore(p, seq.batch, seq.bos, c, h, v0, vrow, lane) : ChunkStateStore();
+            store_state ? ChunkStateStore(p, n, seq.bos, c, h, v0, vrow, lane) : ChunkStateStore();
         if (full) o_tile<DK, X, KEYHALF != 1>(acc, S, vf, qw, L.pq, As, L.pa, lane);
         state_update<DK, X, true>(S, vf, kw, L.pq, dfac, lane, store);
       } else {
         if (full) o_tile<DK, X, KEYHALF != 1>(acc, S, vf, qw, L.pq, As, L.pa, lane);
-        if (store_state) store_chunk_state_paired<DK>(S, p, seq.batch, seq.bos, c, h, v0, vrow, lane);
+        if (store_state) store_chunk_state_paired<DK>(S, p, n, seq.bos, c, h, v0, vrow, lane);
         state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
       }
       // Done with the slot.

@@ -152,13 +152,19 @@ __device__ __forceinline__ void store_final_state(const float (&S)[DK / 8][4], c
   });
 }
 
-// The state block at the start of chunk c of sequence (batch, bos) into ForwardParams::chunk_states
-// (bf16, only entries inside K and V).
+// The first chunk-state slot of sequence n (starting at token bos): ForwardParams::chunk_states.
+__device__ __forceinline__ int64_t chunk_state_first(const ForwardParams& p, int64_t n, int64_t bos) {
+  if (!p.varlen) return n * ((p.T + kChunk - 1) / kChunk);
+  return p.chunk_first != nullptr ? __ldg(p.chunk_first + n) : bos / kChunk;
+}
+
+// The state block at the start of chunk c of sequence n (starting at token bos) into
+// ForwardParams::chunk_states (bf16, only entries inside K and V).
 template <int DK>
-__device__ __forceinline__ void store_chunk_state(const float (&S)[DK / 8][4], const ForwardParams& p, int64_t batch,
+__device__ __forceinline__ void store_chunk_state(const float (&S)[DK / 8][4], const ForwardParams& p, int64_t n,
                                                   int64_t bos, int64_t c, int64_t h, int64_t v0, int vrow, int lane) {
   const int64_t* st = p.chunk_states_stride;
-  const int64_t first = p.varlen ? bos / kChunk : batch * ((p.T + kChunk - 1) / kChunk);
+  const int64_t first = chunk_state_first(p, n, bos);
   uint16_t* dst = p.chunk_states + first * st[0] + c * st[1] + h * st[2] + v0;
   for_each_state_entry<DK>(vrow, lane, [&](int j, int e, int vv, int kk) {
     if (kk < p.K && v0 + vv < p.V) dst[kk * st[3] + vv] = Elem<__nv_bfloat16>::from_float(S[j][e]);
@@ -178,11 +184,11 @@ __device__ __forceinline__ uint32_t paired_entries(float mine_lo, float mine_hi,
 
 // This lane's first paired entry of the chunk-start state block: its key (fc, or fc + 1 on an odd
 // lane), its first value row vv (even), and the address of entry (key, vv).
-__device__ __forceinline__ uint16_t* paired_state_row(const ForwardParams& p, int64_t batch, int64_t bos, int64_t c,
+__device__ __forceinline__ uint16_t* paired_state_row(const ForwardParams& p, int64_t n, int64_t bos, int64_t c,
                                                       int64_t h, int64_t v0, int vrow, int lane, bool& odd, int& key,
                                                       int& vv) {
   const int64_t* st = p.chunk_states_stride;
-  const int64_t first = p.varlen ? bos / kChunk : batch * ((p.T + kChunk - 1) / kChunk);
+  const int64_t first = chunk_state_first(p, n, bos);
   const int fr = lane >> 2;
   odd = fr & 1;
   key = fc_of(lane) + (odd ? 1 : 0);
@@ -192,12 +198,12 @@ __device__ __forceinline__ uint16_t* paired_state_row(const ForwardParams& p, in
 
 template <int DK>
 __device__ __forceinline__ void store_chunk_state_paired(const float (&S)[DK / 8][4], const ForwardParams& p,
-                                                         int64_t batch, int64_t bos, int64_t c, int64_t h, int64_t v0,
+                                                         int64_t n, int64_t bos, int64_t c, int64_t h, int64_t v0,
                                                          int vrow, int lane) {
   const int64_t* st = p.chunk_states_stride;
   bool odd;
   int key, vv;
-  uint16_t* row = paired_state_row(p, batch, bos, c, h, v0, vrow, lane, odd, key, vv);
+  uint16_t* row = paired_state_row(p, n, bos, c, h, v0, vrow, lane, odd, key, vv);
 #pragma unroll
   for (int j = 0; j < DK / 8; ++j) {
 #pragma unroll
@@ -218,11 +224,11 @@ struct ChunkStateStore {
   // bits 0-7: tiles j below this hold keys inside K; bits 8, 9: value rows +0, +8 inside V; bit 10: odd lane
   int flags = 0;
   __device__ __forceinline__ ChunkStateStore() {}
-  __device__ __forceinline__ ChunkStateStore(const ForwardParams& p, int64_t batch, int64_t bos, int64_t c, int64_t h,
+  __device__ __forceinline__ ChunkStateStore(const ForwardParams& p, int64_t n, int64_t bos, int64_t c, int64_t h,
                                              int64_t v0, int vrow, int lane) {
     bool odd;
     int key, vv;
-    row = paired_state_row(p, batch, bos, c, h, v0, vrow, lane, odd, key, vv);
+    row = paired_state_row(p, n, bos, c, h, v0, vrow, lane, odd, key, vv);
     key_stride = static_cast<int>(p.chunk_states_stride[3]);
     const int64_t tiles = (p.K - key + 7) / 8;
     flags = static_cast<int>(tiles < 255 ? tiles : 255) | (v0 + vv < p.V ? 256 : 0) | (v0 + vv + 8 < p.V ? 512 : 0) |

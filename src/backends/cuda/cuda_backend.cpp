@@ -310,6 +310,15 @@ class Workspace {
 
 bool recurrent(const gla_problem& p) { return p.unit == GLA_UNIT_RECURRENT_FWD || p.unit == GLA_UNIT_RECURRENT_BWD; }
 
+// A forward storing chunk states with cu_seqlens finds each sequence's first slot in a chunk table
+// (ForwardParams::chunk_first, N + 1 int64) built on the device after the plan's own workspace.
+bool needs_chunk_table(const gla_problem& p) { return present(p.h) && p.varlen; }
+size_t chunk_first_offset(const cuda::ForwardPlan& plan) { return (plan.workspace_bytes + 255) / 256 * 256; }
+size_t forward_workspace(const gla_problem& p, const cuda::ForwardPlan& plan) {
+  if (!needs_chunk_table(p)) return plan.workspace_bytes;
+  return chunk_first_offset(plan) + size_t(p.N + 1) * sizeof(int64_t);
+}
+
 class CudaBackend final : public Backend {
  public:
   std::string name() const override { return "cuda"; }
@@ -366,11 +375,9 @@ class CudaBackend final : public Backend {
     if (p.varlen && p.cu_seqlens.device_type != GLA_DEVICE_CUDA) why.push_back("cu_seqlens must be in CUDA device memory");
     if (present(p.h)) {
       // The chunk kernels store the states (16-bit inputs, K <= 256: not the recurrent kernel), at
-      // slots they find from the batch row (the C API's slots are per sequence, which with
-      // cu_seqlens needs the chunk offsets the forward kernels do not have).
+      // the C API's per-sequence slots (with cu_seqlens from a chunk table built on the device).
       if (p.dtype != GLA_DTYPE_BF16 && p.dtype != GLA_DTYPE_F16) why.push_back("saved chunk states need 16-bit q, k, v");
       if (!p.backward && p.K > 256) why.push_back("saved chunk states need K <= 256 (the chunk kernels)");
-      if (!p.backward && p.varlen) why.push_back("saves chunk states only without cu_seqlens");
     }
     if (p.backward) {
       if (p.H > 65535) why.push_back("H > 65535 (grid limit)");
@@ -407,7 +414,7 @@ class CudaBackend final : public Backend {
     if (recurrent(p)) return cuda::recurrent_workspace(p);
     if (p.backward) return backward_plan(p).workspace_bytes;
     const cuda::ForwardParams f = make_params(p);
-    return cached_plan(f, p).workspace_bytes;
+    return forward_workspace(p, cached_plan(f, p));
   }
 
   std::string plan_note(const gla_problem& p) const override {
@@ -465,19 +472,27 @@ class CudaBackend final : public Backend {
       return;
     }
     DeviceGuard guard(p.device_index);
-    const cuda::ForwardParams f = make_params(p);
+    cuda::ForwardParams f = make_params(p);
     const cuda::ForwardPlan plan = cached_plan(f, p);
+    const size_t bytes = forward_workspace(p, plan);
     void* workspace = p.workspace;
     bool owned = false;
     auto stream = static_cast<cudaStream_t>(p.stream);
-    // The key split's partial o or A is written with 16-byte stores at a 256-byte offset: a
-    // caller's workspace that is not 256-byte aligned is not used.
-    const bool misaligned = plan.key_split != 0 && reinterpret_cast<uintptr_t>(workspace) % 256 != 0;
-    if (plan.workspace_bytes > 0 && (workspace == nullptr || p.workspace_bytes < plan.workspace_bytes || misaligned)) {
-      workspace = allocate(p, plan.workspace_bytes);
+    // The key split's partial o or A is written with 16-byte stores at a 256-byte offset (and the
+    // chunk table sits at one): a caller's workspace that is not 256-byte aligned is not used.
+    const bool misaligned = (plan.key_split != 0 || needs_chunk_table(p)) &&
+                            reinterpret_cast<uintptr_t>(workspace) % 256 != 0;
+    if (bytes > 0 && (workspace == nullptr || p.workspace_bytes < bytes || misaligned)) {
+      workspace = allocate(p, bytes);
       owned = true;
     }
-    const cudaError_t err = cuda::launch_forward(f, plan, workspace, stream);
+    cudaError_t err = cudaSuccess;
+    if (needs_chunk_table(p)) {
+      int64_t* first = reinterpret_cast<int64_t*>(static_cast<char*>(workspace) + chunk_first_offset(plan));
+      err = cuda::launch_chunk_first(f, first, stream);
+      f.chunk_first = first;
+    }
+    if (err == cudaSuccess) err = cuda::launch_forward(f, plan, workspace, stream);
     if (owned) deallocate(p, workspace);
     if (err != cudaSuccess) {
       fail(GLA_STATUS_BACKEND_ERROR, std::string("cuda forward launch failed: ") + cudaGetErrorString(err));

@@ -151,6 +151,35 @@ __device__ __forceinline__ SeqSpan sequence_span(const Params& p, int64_t n) {
   return {0, a, b - a};
 }
 
+constexpr int kChunkOffsetThreads = 1024;
+
+// offsets[n] = sum over m < n of ceil(T_m / 64) (n = 0..N), from device cu_seqlens: one CTA of
+// kChunkOffsetThreads, a block scan. The backward's chunk table; the forward's varlen state slots.
+template <typename Params>
+__global__ void __launch_bounds__(kChunkOffsetThreads) chunk_offsets_kernel(Params p, int64_t* offsets) {
+  __shared__ int64_t partial[kChunkOffsetThreads];
+  const int tid = threadIdx.x;
+  const int64_t per = (p.N + kChunkOffsetThreads - 1) / kChunkOffsetThreads;
+  const int64_t n0 = tid * per < p.N ? tid * per : p.N;
+  const int64_t n1 = n0 + per < p.N ? n0 + per : p.N;
+  int64_t count = 0;
+  for (int64_t n = n0; n < n1; ++n) count += (sequence_span(p, n).len + kChunk - 1) / kChunk;
+  partial[tid] = count;
+  __syncthreads();
+  for (int stride = 1; stride < kChunkOffsetThreads; stride <<= 1) {
+    const int64_t add = tid >= stride ? partial[tid - stride] : 0;
+    __syncthreads();
+    partial[tid] += add;
+    __syncthreads();
+  }
+  int64_t running = partial[tid] - count;  // exclusive prefix
+  if (tid == 0) offsets[0] = 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    running += (sequence_span(p, n).len + kChunk - 1) / kChunk;
+    offsets[n + 1] = running;
+  }
+}
+
 // Offset of state entry (n, h, key i, value j) honouring layout and strides.
 __device__ __forceinline__ int64_t state_index(const int64_t* s, int32_t v_first, int64_t n, int64_t h,
                                                int64_t i, int64_t j) {

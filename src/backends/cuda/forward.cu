@@ -179,6 +179,11 @@ cudaError_t launch_key_split(const ForwardParams& p, const ForwardPlan& plan, vo
 
 }  // namespace detail
 
+cudaError_t launch_chunk_first(const ForwardParams& p, int64_t* first, cudaStream_t stream) {
+  detail::chunk_offsets_kernel<<<1, detail::kChunkOffsetThreads, 0, stream>>>(p, first);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   if (p.N == 0 || p.H == 0) return cudaSuccess;
   if (is_chunk(plan.kernel) && plan.key_split) return detail::launch_key_split(p, plan, workspace, stream);
