@@ -4,15 +4,18 @@
 // so their error scales with the halves' magnitudes: where q.k cancels between the halves the row
 // was off by up to 14% (fla's GLA model at K 256, the first tokens), against 0.4% for one rounding.
 //
-// One CTA per (sequence, chunk, head), 256 threads, two per SM (intra_smem_layout). The keys are
-// taken in slices of 64 (double-buffered cp.async), each slice's terms added to fp32 registers:
-//   off-diagonal 16x16 blocks on tensor cores from the pivoted copies qloc/kloc, as the chunk
-//     kernels form them (offdiag_accumulate; every row of such a block sums 16+ terms);
-//   the 16x16 diagonal blocks element-wise in fp32 (SPEC.md 3.2): A[t, s] = sum_k q_tk k_sk F_tk
-//     with F the running product of the factors e_u = 2^{g_u log2 e}, u = s+1..t (each <= 1, no
-//     exponent per pair). The pivot-level copies the chunk kernels use there are rounded to 16
-//     bits, which left the first rows of a sequence (one to three terms each) 1-2% off where q.k
-//     nearly cancels.
+// One CTA per (sequence, chunk, head), 256 threads. The keys are taken in slices of 64 (cp.async,
+// kIntraStages stages), each slice in two phases between barriers:
+//   1. element-wise, one thread per (key, sub-chunk): the factors e_u = 2^{g_u log2 e}, the
+//      sub-chunk totals, and the pivoted copies qloc = q 2^{c}, kloc = k 2^{Tot - c} (c the inclusive
+//      cumsum inside the sub-chunk) into buffers of their own, so the raw q and k stay for phase 2;
+//   2. the slice's terms added to fp32 registers: the off-diagonal 16x16 blocks on tensor cores from
+//      qloc/kloc as the chunk kernels form them (offdiag_accumulate; every row of such a block sums
+//      16+ terms) on warps 0..5, and on every warp the 16x16 diagonal blocks element-wise in fp32
+//      (SPEC.md 3.2): A[t, s] = sum_k q_tk k_sk F_tk with F the running product of e_u, u = s+1..t
+//      (each <= 1, no exponent per pair). The pivot-level copies the chunk kernels use there are
+//      rounded to 16 bits, which left the first rows of a sequence (one to three terms each) 1-2%
+//      off where q.k nearly cancels.
 #include "backends/cuda/chunk_forward_kernel.cuh"
 #include "backends/cuda/chunk_forward.hpp"
 #include "backends/cuda/kernel_attributes.cuh"
@@ -23,8 +26,8 @@ namespace {
 constexpr int kIntraThreads = 256;
 constexpr int kSlice = kIntraSliceKeys;
 
-template <typename E>
-__global__ void __launch_bounds__(kIntraThreads, 2)
+template <typename E, int STAGES>
+__global__ void __launch_bounds__(kIntraThreads, STAGES == 1 ? 3 : 2)
 chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict__ intra, int64_t max_chunks) {
   using X = Elem<E>;
   constexpr int NT = kIntraThreads;
@@ -36,12 +39,11 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
   const bool per_head = p.gate_per_head != 0;
-  const ChunkSmem L = intra_smem_layout();
-  uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a);
+  const IntraSmem L = intra_smem_layout(STAGES, gate_bytes);
+  uint16_t* qloc = reinterpret_cast<uint16_t*>(smem + L.qloc);
+  uint16_t* kloc = reinterpret_cast<uint16_t*>(smem + L.kloc);
+  float* es = reinterpret_cast<float*>(smem + L.e);
   float* tot = reinterpret_cast<float*>(smem + L.tot);
-
-  // A is zero above the diagonal and in the diagonal blocks' strict upper parts.
-  for (int i = tid; i < kChunk * L.pa / 2; i += NT) reinterpret_cast<uint32_t*>(As)[i] = 0u;
 
   // One slice of q, k, g into a stage; keys past K and rows past the sequence read 0 (gate 0: factor 1).
   const int64_t esz = 2;  // signed: time strides may be negative (the backward's reversed forward)
@@ -105,12 +107,12 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
     cp_async_commit();
   };
 
-  // Element-wise items (threads 0..127): column pair cp of the slice, sub-chunk sub.
-  const int cp = tid & 31, esub = (tid >> 5) & 3, k0 = cp * 2;
+  // Element-wise items: key column ecol of the slice, sub-chunk esub (a warp: 32 consecutive keys).
+  const int ecol = tid & (kSlice - 1), esub = tid / kSlice;
   // Diagonal items: (sub-chunk dsub, key row pair sp, column group cg) adds, per slice, its keys'
   // terms of A[t, s] for s = sp (rows t = sp..15), then s = 15 - sp (rows 15-sp..15): 17 rows on
   // every thread, reduced over the 8 column groups at the end. Group cg holds the key pairs at
-  // columns 2 cg + 16 m (m = 0..3), so the 8 groups of a row read 16 consecutive gate factors at a
+  // columns 2 cg + 16 m (m = 0..3), so the 8 groups of a row read 16 consecutive factors at a
   // time: with the factors' pitch of 80 floats a half-warp's 64-bit reads hit 32 distinct banks
   // (8 consecutive keys per group were 8-way conflicts: 4.7 wavefronts per shared load in this
   // kernel, 134 us at B8 T2048 H4 K256 V512).
@@ -127,31 +129,54 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   const int slices = static_cast<int>((p.K + kSlice - 1) / kSlice);
   issue_slice(0, 0);
   for (int sl = 0; sl < slices; ++sl) {
-    unsigned char* st = smem + (sl & 1) * L.stage_bytes;
-    uint16_t* qs = reinterpret_cast<uint16_t*>(st + L.q);
-    uint16_t* ks = reinterpret_cast<uint16_t*>(st + L.k);
-    unsigned char* gs = st + L.g;
-    float* es = reinterpret_cast<float*>(gs);
+    const int stage = STAGES == 1 ? 0 : (sl & 1);
+    unsigned char* st = smem + stage * L.stage_bytes;
+    const uint16_t* qs = reinterpret_cast<const uint16_t*>(st + L.q);
+    const uint16_t* ks = reinterpret_cast<const uint16_t*>(st + L.k);
+    const unsigned char* gs = st + L.g;
     cp_async_wait_all();
-    __syncthreads();  // slice sl landed; the last slice's readers of tot and of the other stage are done
-    if (sl + 1 < slices) issue_slice(sl + 1, (sl + 1) & 1);
+    __syncthreads();  // slice sl landed; the previous slice's readers of qloc, kloc, e, tot (and its stage) are done
+    if (STAGES == 2 && sl + 1 < slices) issue_slice(sl + 1, (sl + 1) & 1);
 
-    // ---- the factors e over the raw gate, and the sub-chunk totals ----
-    float e0[16], e1[16];
-    if (tid < 128) {
-      float a0, a1;
-      sub_chunk_gates<X>(gs, esub, k0, L.pg, per_head, gate_bytes, e0, e1, a0, a1, [](int, int) {});
-      tot[esub * kSlice + k0] = a0;
-      tot[esub * kSlice + k0 + 1] = a1;
-    }
-    __syncthreads();  // every raw gate read is done
-    if (tid < 128) {
+    // ---- phase 1: e, the sub-chunk totals, qloc and kloc of one (key, sub-chunk) ----
+    {
+      float e[16], total = 0.f;
 #pragma unroll
-      for (int r = 0; r < 16; ++r) *reinterpret_cast<float2*>(es + (esub * 16 + r) * L.pg + k0) = make_float2(e0[r], e1[r]);
+      for (int r = 0; r < 16; ++r) {
+        const int t = esub * 16 + r;
+        float g;
+        if (per_head) {
+          g = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[t] : X::to_float(reinterpret_cast<const uint16_t*>(gs)[t]);
+        } else if (gate_bytes == 4) {
+          g = reinterpret_cast<const float*>(gs)[t * L.pg + ecol];
+        } else {
+          g = X::to_float(reinterpret_cast<const uint16_t*>(gs)[t * L.pg + ecol]);
+        }
+        g *= kLog2e;
+        total += g;
+        e[r] = fast_exp2(g);
+        es[t * L.pe + ecol] = e[r];
+      }
+      tot[esub * kSlice + ecol] = total;
+      float f = 1.f;
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int at = (esub * 16 + r) * L.pq + ecol;
+        f *= e[r];
+        qloc[at] = X::from_float(X::to_float(qs[at]) * f);
+      }
+      f = 1.f;
+#pragma unroll
+      for (int r = 15; r >= 0; --r) {
+        const int at = (esub * 16 + r) * L.pq + ecol;
+        kloc[at] = X::from_float(X::to_float(ks[at]) * f);
+        f *= e[r];
+      }
     }
-    __syncthreads();
+    __syncthreads();  // e, the totals, qloc and kloc are written
 
-    // ---- diagonal blocks: this slice's terms, from raw q and k ----
+    // ---- phase 2: the off-diagonal blocks from qloc/kloc, the diagonal blocks from raw q, k ----
+    if (warp < 6) offdiag_accumulate<kSlice, X>(oacc, qloc, kloc, L.pq, tot, bi, bj, lane);
     {
       float kf[8], f[8];
       int s = sp;
@@ -173,9 +198,9 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
 #pragma unroll
         for (int j = 0; j < 8; j += 2) {
           if (t > s) {
-            const float2 e = *reinterpret_cast<const float2*>(es + trow * L.pg + key_col(j));
-            f[j] *= e.x;
-            f[j + 1] *= e.y;
+            const float2 ee = *reinterpret_cast<const float2*>(es + trow * L.pe + key_col(j));
+            f[j] *= ee.x;
+            f[j + 1] *= ee.y;
           }
           const float2 qq = X::to_float2(*reinterpret_cast<const uint32_t*>(qs + trow * L.pq + key_col(j)));
           sum = fmaf(qq.x * kf[j], f[j], sum);
@@ -184,34 +209,20 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
         dacc[i] += sum;
       }
     }
-    __syncthreads();  // every raw q, k read is done: qloc, kloc go over them
-
-    // ---- qloc_t = q_t 2^{c_t}, kloc_t = k_t 2^{Tot - c_t} in place ----
-    if (tid < 128) {
-      float f0 = 1.f, f1 = 1.f;
-#pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        f0 *= e0[r];
-        f1 *= e1[r];
-        uint32_t* qp = reinterpret_cast<uint32_t*>(qs + (esub * 16 + r) * L.pq + k0);
-        const float2 q = X::to_float2(*qp);
-        *qp = X::pack(q.x * f0, q.y * f1);
-      }
-      f0 = f1 = 1.f;
-#pragma unroll
-      for (int r = 15; r >= 0; --r) {
-        uint32_t* kp = reinterpret_cast<uint32_t*>(ks + (esub * 16 + r) * L.pq + k0);
-        const float2 k = X::to_float2(*kp);
-        *kp = X::pack(k.x * f0, k.y * f1);
-        f0 *= e0[r];
-        f1 *= e1[r];
-      }
+    if (STAGES == 1 && sl + 1 < slices) {
+      __syncthreads();  // every read of the stage is done
+      issue_slice(sl + 1, 0);
     }
-    __syncthreads();
-    if (warp < 6) offdiag_accumulate<kSlice, X>(oacc, qs, ks, L.pq, tot, bi, bj, lane);
   }
+  __syncthreads();  // every read of the factors is done: A goes over them
 
-  // ---- A: the diagonal sums (over the 8 column groups) and the off-diagonal blocks ----
+  // ---- A: zero above the diagonal, the diagonal sums (over the 8 column groups), the off-diagonal blocks ----
+  uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a);
+  for (int i = tid; i < kChunk * L.pa / 2; i += NT) {
+    const int r = i / (L.pa / 2), cc = (i % (L.pa / 2)) * 2;
+    if (cc >= (r & ~15)) reinterpret_cast<uint32_t*>(As)[i] = 0u;  // the diagonal blocks and right of them
+  }
+  __syncthreads();
   {
     int s = sp;
 #pragma unroll
@@ -235,12 +246,12 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   }
 }
 
-template <typename E>
+template <typename E, int STAGES>
 cudaError_t run_intra(const ForwardParams& p, int64_t max_chunks, uint16_t* intra, cudaStream_t stream) {
-  const ChunkSmem L = intra_smem_layout();
-  if (const cudaError_t err = allow_dynamic_shared_memory<chunk_intra_kernel<E>>(L.total); err != cudaSuccess) return err;
+  const IntraSmem L = intra_smem_layout(STAGES, p.gate_dtype == kF32 ? 4 : 2);
+  if (const cudaError_t err = allow_dynamic_shared_memory<chunk_intra_kernel<E, STAGES>>(L.total); err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.N * max_chunks), static_cast<unsigned>(p.H));
-  chunk_intra_kernel<E><<<grid, kIntraThreads, L.total, stream>>>(p, intra, max_chunks);
+  chunk_intra_kernel<E, STAGES><<<grid, kIntraThreads, L.total, stream>>>(p, intra, max_chunks);
   return cudaGetLastError();
 }
 
@@ -248,8 +259,14 @@ cudaError_t run_intra(const ForwardParams& p, int64_t max_chunks, uint16_t* intr
 
 cudaError_t launch_intra_matrix(const ForwardParams& p, int64_t max_chunks, uint16_t* intra, cudaStream_t stream) {
   if (p.N == 0 || p.H == 0 || max_chunks == 0) return cudaSuccess;
-  if (p.dtype == kBF16) return run_intra<__nv_bfloat16>(p, max_chunks, intra, stream);
-  return run_intra<__half>(p, max_chunks, intra, stream);
+  // One stage for a 16-bit gate: three CTAs per SM (B8 T4096 H16 K = V = 256 forward 1.885 ms with two
+  // stages and two CTAs per SM, 1.838 ms; B8 T2048 H4 K256 V512 0.411 both, H200 harness).
+  const bool one_stage = p.gate_dtype != kF32;
+  if (p.dtype == kBF16) {
+    return one_stage ? run_intra<__nv_bfloat16, 1>(p, max_chunks, intra, stream)
+                     : run_intra<__nv_bfloat16, 2>(p, max_chunks, intra, stream);
+  }
+  return one_stage ? run_intra<__half, 1>(p, max_chunks, intra, stream) : run_intra<__half, 2>(p, max_chunks, intra, stream);
 }
 
 }  // namespace gla::cuda::detail

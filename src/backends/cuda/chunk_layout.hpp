@@ -74,27 +74,35 @@ GLA_HD inline ChunkSmem chunk_smem_layout(int dk, int bv, int gate_bytes, bool p
   return s;
 }
 
-// Shared-memory layout (bytes) of the intra-chunk matrix kernel (chunk_forward_intra.cu): two stages
-// of one 64-key slice of q, k and the gate (the gate's region holds [64][pg] fp32: the raw gate
-// first, then the factors e = 2^{g log2 e} over it; q and k become qloc/kloc in place), A and the
-// slice's sub-chunk totals. 82 KB: two CTAs per SM.
+// Shared-memory layout (bytes) of the intra-chunk matrix kernel (chunk_forward_intra.cu): STAGES
+// stages of one 64-key slice of raw q, k and gate (the gate in its own width, gate_bytes), and one
+// slice of qloc, kloc, the fp32 factors e = 2^{g log2 e} and the sub-chunk totals. A goes over the
+// factors once the last slice is done.
+struct IntraSmem {
+  int pq, pg, pe, pa;  // pitches (elements): raw q/k and qloc/kloc, raw gate, factors, A
+  int q, k, g;         // offsets inside one stage
+  int stage_bytes;
+  int qloc, kloc, e, tot, a;  // after the stages (a == e)
+  int total;
+};
 constexpr int kIntraSliceKeys = 64;
-GLA_HD inline ChunkSmem intra_smem_layout() {
-  ChunkSmem s{};
-  s.pq = kIntraSliceKeys + 8;
-  s.pv = 0;
+GLA_HD inline IntraSmem intra_smem_layout(int stages, int gate_bytes) {
+  IntraSmem s{};
+  s.pq = kIntraSliceKeys + 8;  // 144-byte rows: ldmatrix without bank conflicts
+  s.pg = kIntraSliceKeys + 8;
+  // fp32 rows of 320 bytes (16 banks apart): the diagonal items' 64-bit reads of two rows hit 32
+  // distinct banks (chunk_forward_intra.cu)
+  s.pe = kIntraSliceKeys + 16;
   s.pa = kChunk + 8;
-  // fp32 rows of 320 bytes (16 banks apart: chunk_forward_intra.cu's diagonal reads), raw 16-bit rows
-  // of 160: both 16-byte aligned
-  s.pg = kIntraSliceKeys + 16;
   s.q = 0;
   s.k = s.q + kChunk * s.pq * 2;
-  s.v = -1;
   s.g = s.k + kChunk * s.pq * 2;
-  s.stage_bytes = s.g + kChunk * s.pg * 4;
-  s.qw = s.kw = s.dfac = s.dsum = s.extra0 = s.extra1 = s.dpart = -1;
-  s.a = 2 * s.stage_bytes;
-  s.tot = s.a + kChunk * s.pa * 2;
+  s.stage_bytes = s.g + kChunk * s.pg * gate_bytes;
+  s.qloc = stages * s.stage_bytes;
+  s.kloc = s.qloc + kChunk * s.pq * 2;
+  s.e = s.kloc + kChunk * s.pq * 2;
+  s.a = s.e;
+  s.tot = s.e + kChunk * s.pe * 4;
   s.total = s.tot + 4 * kIntraSliceKeys * 4;
   return s;
 }
