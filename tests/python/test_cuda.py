@@ -177,19 +177,15 @@ def _has_cuda_backend():
     return "cuda" in [b.name for b in gla.backends() if b.available]
 
 
-@pytest.mark.parametrize("T,K,V", [(300, 64, 128), (256, 128, 128), (192, 256, 512)])
-def test_cuda_saved_chunk_states(T, K, V):
-    """gla::chunk_fwd_saving_states saves bf16 chunk states [B * ceil(T / 64), H, K, V] (o bitwise
-    chunk_fwd's), chunk_bwd from them matches chunk_bwd without them and the reference, and
-    gla.chunk_gla's autograd keeps them for its backward."""
-    if not _has_cuda_backend():
-        pytest.skip("no native cuda backend in this build of libgla")
-    host = make_inputs(B=2, T=T, H=2, K=K, V=V, dtype=torch.bfloat16, seed=11)
-    ref = run_gla(host, backend="reference")
-    x = _to(host, "cuda")
-    args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], None, None, K ** -0.5, False, True)
+def _check_saved_chunk_states(x, ref, K, chunks, cu=None):
+    """chunk_fwd_saving_states on the CUDA inputs x: bf16 states [chunks, H, K, V], o and ht bitwise
+    chunk_fwd's; chunk_bwd from them matches chunk_bwd without them and the reference ref; and
+    gla.chunk_gla's autograd saves a tensor of that shape and gives the reference's gradients."""
+    cu_t = x["cu_seqlens"] if cu is not None else None
+    cu_cpu = torch.tensor(cu) if cu is not None else None
+    args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], cu_t, cu_cpu, K ** -0.5, False, True)
     o, ht, states = torch.ops.gla.chunk_fwd_saving_states(*args)
-    assert states.dtype == torch.bfloat16 and states.shape == (2 * -(-T // 64), 2, K, V)
+    assert states.dtype == torch.bfloat16 and states.shape == (chunks, x["q"].shape[2], K, x["v"].shape[-1])
     assert torch.isfinite(states).all()
     o_plain, ht_plain = torch.ops.gla.chunk_fwd(*args)
     assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
@@ -202,12 +198,24 @@ def test_cuda_saved_chunk_states(T, K, V):
     # The autograd route saves them (a bf16 tensor of that shape among the saved tensors).
     saved = []
     leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "initial_state")]
+    varlen = {} if cu is None else {"cu_seqlens": cu_t, "cu_seqlens_cpu": cu}
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
-        o, ht = gla.chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True)
+        o, ht = gla.chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True, **varlen)
     assert (torch.bfloat16, tuple(states.shape)) in saved, saved
     grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
     for name, a, want in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref[2:]):
         assert rel(a.double().cpu(), want.double()) < 5e-3, f"autograd {name}: {rel(a.double().cpu(), want.double()):.3e}"
+
+
+@pytest.mark.parametrize("T,K,V", [(300, 64, 128), (256, 128, 128), (192, 256, 512)])
+def test_cuda_saved_chunk_states(T, K, V):
+    """gla::chunk_fwd_saving_states saves bf16 chunk states [B * ceil(T / 64), H, K, V] (o bitwise
+    chunk_fwd's), chunk_bwd from them matches chunk_bwd without them and the reference, and
+    gla.chunk_gla's autograd keeps them for its backward."""
+    if not _has_cuda_backend():
+        pytest.skip("no native cuda backend in this build of libgla")
+    host = make_inputs(B=2, T=T, H=2, K=K, V=V, dtype=torch.bfloat16, seed=11)
+    _check_saved_chunk_states(_to(host, "cuda"), run_gla(host, backend="reference"), K, 2 * -(-T // 64))
 
 
 @pytest.mark.parametrize("K,V", [(64, 128), (100, 36), (256, 512)])
@@ -219,31 +227,8 @@ def test_cuda_saved_chunk_states_varlen(K, V):
         pytest.skip("no native cuda backend in this build of libgla")
     cu = [0, 0, 1, 65, 200, 200, 330]
     host = make_inputs(B=1, T=cu[-1], H=2, K=K, V=V, cu_seqlens=cu, dtype=torch.bfloat16, seed=14)
-    ref = run_gla(host, backend="reference")
-    x = _to(host, "cuda")
-    cu_cpu = torch.tensor(cu)
-    args = (x["q"], x["k"], x["v"], x["g"], x["initial_state"], x["cu_seqlens"], cu_cpu, K ** -0.5, False, True)
-    o, ht, states = torch.ops.gla.chunk_fwd_saving_states(*args)
     chunks = sum(-(-(b - a) // 64) for a, b in zip(cu, cu[1:]))
-    assert states.dtype == torch.bfloat16 and states.shape == (chunks, 2, K, V)
-    assert torch.isfinite(states).all()
-    o_plain, ht_plain = torch.ops.gla.chunk_fwd(*args)
-    assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
-    bwd = args[:7] + (x["do"], x["dht"], K ** -0.5, False, "", 0, False)
-    from_states = torch.ops.gla.chunk_bwd(*bwd, states)
-    recomputed = torch.ops.gla.chunk_bwd(*bwd)
-    for name, a, b, want in zip(NAMES[2:], from_states, recomputed, ref[2:]):
-        assert rel(a.float(), b.float()) < 5e-3, f"{name}: from states vs recomputed {rel(a.float(), b.float()):.3e}"
-        assert rel(a.double().cpu(), want.double()) < 5e-3, f"{name}: vs reference {rel(a.double().cpu(), want.double()):.3e}"
-    saved = []
-    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "initial_state")]
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
-        o, ht = gla.chunk_gla(*leaves[:4], initial_state=leaves[4], output_final_state=True,
-                              cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=cu)
-    assert (torch.bfloat16, tuple(states.shape)) in saved, saved
-    grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
-    for name, a, want in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref[2:]):
-        assert rel(a.double().cpu(), want.double()) < 5e-3, f"autograd {name}: {rel(a.double().cpu(), want.double()):.3e}"
+    _check_saved_chunk_states(_to(host, "cuda"), run_gla(host, backend="reference"), K, chunks, cu)
 
 
 @pytest.mark.parametrize("T,K,V", [(300, 64, 128), (192, 256, 512), (256, 128, 64)])

@@ -144,15 +144,7 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
 #pragma unroll
       for (int r = 0; r < 16; ++r) {
         const int t = esub * 16 + r;
-        float g;
-        if (per_head) {
-          g = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[t] : X::to_float(reinterpret_cast<const uint16_t*>(gs)[t]);
-        } else if (gate_bytes == 4) {
-          g = reinterpret_cast<const float*>(gs)[t * L.pg + ecol];
-        } else {
-          g = X::to_float(reinterpret_cast<const uint16_t*>(gs)[t * L.pg + ecol]);
-        }
-        g *= kLog2e;
+        const float g = gate_log2<X>(gs, t, ecol, L.pg, per_head, gate_bytes);
         total += g;
         e[r] = fast_exp2(g);
         es[t * L.pe + ecol] = e[r];
