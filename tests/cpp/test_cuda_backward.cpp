@@ -237,6 +237,8 @@ void expect_bitwise_reruns(const Case& c) {
 TEST(CudaBackward, LongSequence) {
   SKIP_WITHOUT_CUDA();
   Case c = base_case(GLA_DTYPE_BF16, 1, 65536 + 37, 1, 64);
+  check_case(c);  // the reversed forward pads the sequence (pad_front) and splits it into segments
+  c.gate_f32 = true;  // an fp32 per-key gate: the single-role reversed forward, so the reverse walk, split
   check_case(c);
 }
 

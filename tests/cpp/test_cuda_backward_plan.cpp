@@ -103,6 +103,7 @@ std::vector<std::pair<size_t, size_t>> regions(const Planned& r) {
   }
   if (p.dv != nullptr) {
     if (p.varlen) out.push_back({plan.reversed_offsets, (p.N + 1) * sizeof(int64_t)});
+    if (p.varlen && plan.state_grads_by_values) out.push_back({plan.reversed_chunk_first, (p.N + 1) * sizeof(int64_t)});
     if (p.dht != nullptr) out.push_back({plan.reversed_dht, static_cast<size_t>(p.N) * p.H * p.K * p.V * 4});
     if (!cuda::backward::values_from_do(p)) out.push_back({plan.zero_values, static_cast<size_t>(p.B) * p.T * p.H * p.V * 2});
     if (plan.values.workspace_bytes > 0) out.push_back({plan.values_workspace, plan.values.workspace_bytes});
@@ -248,20 +249,48 @@ TEST(CudaBackwardPlan, ReversedForwardSwapsAndReversesTheInputs) {
   EXPECT_EQ(z.scale, 1.0f);
 }
 
-// The state gradients come from the reversed forward exactly when the chunks of both directions line
-// up (every sequence length a multiple of 64), do drives it (present, scale not tiny), a gradient
-// needs them, and the reversed forward runs a chunk kernel; dh0 then needs its final state.
+// The state gradients come from the reversed forward exactly when do drives it (present, scale not
+// tiny), a gradient needs them, and the chunks of both directions line up: every sequence length a
+// multiple of 64 with a chunk kernel, or any lengths with a warp-specialised kernel, which pads each
+// reversed sequence at its start (reversed_pad_front); dh0 then needs its final state.
 TEST(CudaBackwardPlan, StateGradientsFromTheReversedForwardWhenChunksLineUp) {
   EXPECT_EQ(plan_for({}).plan.state_grads_by_values, 1);
+  EXPECT_EQ(plan_for({}).plan.reversed_pad_front, 0);
   EXPECT_EQ(plan_for({.B = 1, .T = 1024}, {0, 64, 64, 320, 1024}).plan.state_grads_by_values, 1);
   EXPECT_EQ(plan_for({.K = 256, .V = 512}).plan.state_grads_by_values, 1);  // the key split
-  for (const Shape& s : {Shape{.T = 300}, Shape{.T = 65}, Shape{.dv = false}, Shape{.dout = false}, Shape{.scale = 0.0f},
-                         Shape{.scale = 1e-7f}, Shape{.dq = false}}) {
+  for (const Shape& s : {Shape{.dv = false}, Shape{.dout = false}, Shape{.scale = 0.0f}, Shape{.scale = 1e-7f},
+                         Shape{.dq = false}, Shape{.T = 300, .dout = false}}) {
     const Planned r = plan_for(s);
     EXPECT_EQ(r.plan.state_grads_by_values, 0) << "T" << s.T << " dv " << s.dv << " do " << s.dout << " scale " << s.scale;
+    EXPECT_EQ(r.plan.reversed_pad_front, 0);
     EXPECT_EQ(r.plan.reversed_final, 0u);
   }
-  EXPECT_EQ(plan_for({.B = 1, .T = 1000}, {0, 64, 1000}).plan.state_grads_by_values, 0);
+  // Lengths that are not multiples of 64: padded, on the warp-specialised kernels only.
+  for (const Shape& s : {Shape{.T = 300}, Shape{.T = 65}, Shape{.T = 1000, .K = 256, .V = 512}, Shape{.T = 100, .K = 64, .V = 64}}) {
+    const Planned r = plan_for(s);
+    ASSERT_TRUE(cuda::is_warp_specialised(r.plan.values.kernel)) << "T" << s.T << " K" << s.K;
+    EXPECT_EQ(r.plan.state_grads_by_values, 1) << "T" << s.T << " K" << s.K;
+    EXPECT_EQ(r.plan.reversed_pad_front, 1) << "T" << s.T << " K" << s.K;
+    EXPECT_EQ(cuda::backward::reversed_forward(r.p, r.plan, nullptr).pad_front, 1);
+  }
+  const Planned varlen = plan_for({.B = 1, .T = 1000}, {0, 64, 1000});
+  EXPECT_EQ(varlen.plan.state_grads_by_values, 1);
+  EXPECT_EQ(varlen.plan.reversed_pad_front, 1);
+  EXPECT_GT(varlen.plan.reversed_chunk_first, 0u);
+  expect_layout(varlen);
+  // Rows that cp.async cannot move run the single-role kernel, which does not pad: the reverse
+  // walks stay where the lengths are not multiples of 64.
+  for (const int64_t T : {300, 256}) {
+    const Shape s{.T = T, .K = 100, .V = 36};
+    std::vector<int64_t> offsets;
+    for (int64_t n = 0; n <= s.B; ++n) offsets.push_back(n * s.T);
+    BackwardParams p = params(s, {});
+    p.vector_loads = 0;
+    const BackwardPlan single_role = cuda::plan_backward(p, offsets.data(), kSms);
+    EXPECT_EQ(single_role.values.kernel, cuda::ForwardKernel::kChunk);
+    EXPECT_EQ(single_role.state_grads_by_values, T % 64 == 0 ? 1 : 0) << "T" << T;  // aligned: any chunk kernel
+    EXPECT_EQ(single_role.reversed_pad_front, 0);
+  }
   // Only dh0 wanted still needs them.
   EXPECT_EQ(plan_for({.dh0 = true, .dq = false}).plan.state_grads_by_values, 1);
   // K = 384: the reversed forward is the recurrent kernel, which stores no chunk states.
@@ -275,14 +304,18 @@ TEST(CudaBackwardPlan, StateGradientsFromTheReversedForwardWhenChunksLineUp) {
 }
 
 // Reversed chunk r of the reversed forward's sequence n' lands on the state gradient of original
-// chunk NC - 1 - r of its sequence, by ForwardParams::chunk_states' formula (P = (batch T + bos) / 64).
+// chunk NC - 1 - r of its sequence, by ForwardParams::chunk_states' formula (P = n' ceil(T / 64)
+// without varlen; with varlen P = chunk_first[n'], the chunks of the reversed sequences before n',
+// which launch_chunk_first writes on the device and this test counts on the host).
 TEST(CudaBackwardPlan, ReversedForwardStoresEachChunkInTheOriginalsSlot) {
   struct Layout {
     Shape s;
     std::vector<int64_t> cu;
   };
   for (const Layout& l : {Layout{{.B = 3, .T = 256, .H = 2, .K = 64, .V = 32, .dh0 = true}, {}},
-                          Layout{{.B = 1, .T = 640, .H = 2, .K = 64, .V = 32}, {0, 0, 128, 128, 192, 640}}}) {
+                          Layout{{.B = 1, .T = 640, .H = 2, .K = 64, .V = 32}, {0, 0, 128, 128, 192, 640}},
+                          Layout{{.B = 3, .T = 300, .H = 2, .K = 64, .V = 32, .dh0 = true}, {}},
+                          Layout{{.B = 1, .T = 700, .H = 2, .K = 64, .V = 32}, {0, 0, 1, 130, 130, 192, 700}}}) {
     const Planned r = plan_for(l.s, l.cu);
     ASSERT_EQ(r.plan.state_grads_by_values, 1);
     std::vector<char> workspace(1);
@@ -300,19 +333,22 @@ TEST(CudaBackwardPlan, ReversedForwardStoresEachChunkInTheOriginalsSlot) {
     if (offsets.empty()) {
       for (int64_t n = 0; n <= r.p.N; ++n) offsets.push_back(n * r.p.T);
     }
-    for (int64_t n = 0; n < r.p.N; ++n) first_chunk.push_back(first_chunk.back() + (offsets[n + 1] - offsets[n]) / 64);
+    auto chunks_of = [&](int64_t n) { return (offsets[n + 1] - offsets[n] + 63) / 64; };
+    for (int64_t n = 0; n < r.p.N; ++n) first_chunk.push_back(first_chunk.back() + chunks_of(n));
     std::vector<int> hits(static_cast<size_t>(r.p.num_chunks), 0);
+    int64_t reversed_first = 0;  // the chunks of the reversed sequences before rn
     for (int64_t rn = 0; rn < r.p.N; ++rn) {  // the reversed forward's sequence rn
       const int64_t n = l.cu.empty() ? rn : r.p.N - 1 - rn;  // the original sequence
-      const int64_t len = offsets[n + 1] - offsets[n];
-      const int64_t batch = l.cu.empty() ? rn : 0, bos = l.cu.empty() ? 0 : r.p.T - offsets[n + 1];
-      for (int64_t rc = 0; rc < len / 64; ++rc) {
-        const uint16_t* at = f.chunk_states + ((batch * f.T + bos) / 64) * f.chunk_states_stride[0] +
-                             rc * f.chunk_states_stride[1];
-        const int64_t c = len / 64 - 1 - rc;
+      const int64_t nc = chunks_of(n);
+      const int64_t slot0 = l.cu.empty() ? rn * ((f.T + 63) / 64) : reversed_first;
+      EXPECT_EQ(f.chunk_first != nullptr, !l.cu.empty());
+      for (int64_t rc = 0; rc < nc; ++rc) {
+        const uint16_t* at = f.chunk_states + slot0 * f.chunk_states_stride[0] + rc * f.chunk_states_stride[1];
+        const int64_t c = nc - 1 - rc;
         EXPECT_EQ(at, grads + (first_chunk[n] + c) * chunk) << "sequence " << n << " chunk " << c;
         ++hits[static_cast<size_t>(first_chunk[n] + c)];
       }
+      reversed_first += nc;
     }
     for (int h : hits) EXPECT_EQ(h, 1);
   }

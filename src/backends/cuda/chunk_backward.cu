@@ -69,6 +69,9 @@ cudaError_t launch_values(const BackwardParams& p, const BackwardPlan& plan, cha
     if (err != cudaSuccess) return err;
   }
   const ForwardParams f = reversed_forward(p, plan, workspace);
+  if (p.varlen && plan.state_grads_by_values) {  // the reversed sequences' chunk-state slots
+    if ((err = launch_chunk_first(f, reinterpret_cast<int64_t*>(workspace + plan.reversed_chunk_first), stream)) != cudaSuccess) return err;
+  }
   return launch_forward(f, plan.values, plan.values_workspace ? workspace + plan.values_workspace : nullptr, stream);
 }
 

@@ -104,11 +104,17 @@ struct BackwardPlan {
   // 1: the state gradients come from the reversed forward instead of the reverse state walk. Its
   // state at the start of each reversed chunk is dS_{c+1} / (scale · Diag(e^{g_{64(c+1)}})) of the
   // original chunk c, stored into state_grads; the dq/dk/dg kernel applies that factor, and dh0 is
-  // scale · Diag(e^{g_0}) times its final state (reversed_final). Taken when the chunks of both
-  // directions line up (every sequence length a multiple of 64), the reversed forward runs a chunk
-  // kernel with do as its values, and 1 / scale is in range; the walks then run forward only (half
-  // the CTAs: one wave instead of two at B8 T4096 H16 D128).
+  // scale · Diag(e^{g_0}) times its final state (reversed_final). Taken when the reversed forward
+  // runs a chunk kernel with do as its values, 1 / scale is in range, and the chunks of both
+  // directions line up: every sequence length a multiple of 64, or a warp-specialised kernel that
+  // pads each reversed sequence at its start (reversed_pad_front); the walks then run forward only
+  // (half the CTAs: one wave instead of two at B8 T4096 H16 D128), or none with saved states.
   int32_t state_grads_by_values = 0;
+  // 1: the reversed forward walks with ForwardParams::pad_front (some length is not a multiple of 64).
+  int32_t reversed_pad_front = 0;
+  // int64 [N + 1]: with varlen and state_grads_by_values, the first chunk of each reversed sequence
+  // (its chunk-state slots).
+  size_t reversed_chunk_first = 0;
   size_t reversed_final = 0;       // fp32 [N, H, K, V]: the reversed forward's final state (dh0 wanted)
   // The state walks the grid holds: forward (the states; not with saved_states) and reverse (the
   // state gradients; not with state_grads_by_values). The grid's z runs over the forward walks'

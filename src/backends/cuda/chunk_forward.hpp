@@ -52,6 +52,12 @@ struct ForwardParams {
   // at reversed token u is the gate of original token T - u, one token later than its q and k.
   int32_t gate_lag;
   int32_t vector_loads;  // 1: 16-byte aligned rows, K and V multiples of 8 (cp.async path)
+  // 1: every sequence is walked as if (-len mod 64) zero tokens with gate 0 came before its first
+  // token, so its chunks end at its last token instead of starting at its first (the states and o
+  // are unchanged: the pads add nothing and decay nothing). The backward's reversed forward uses it
+  // to put its chunk boundaries where the original chunks' are. Only the warp-specialised kernels
+  // (and the key split's intra kernel) honour it; launch_forward refuses it for the others.
+  int32_t pad_front;
   // Chunk-start states for the backward (null: none stored): before each chunk's update the chunk
   // kernels store the state block, rounded to bf16, at chunk_states + P * chunk_states_stride[0]
   // + c * chunk_states_stride[1] + h * chunk_states_stride[2] + key * chunk_states_stride[3] + value,

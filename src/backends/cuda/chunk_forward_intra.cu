@@ -34,7 +34,7 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t n = blockIdx.x / max_chunks, c = blockIdx.x % max_chunks, h = blockIdx.y;
-  const SeqSpan seq = sequence_span(p, n);
+  const SeqSpan seq = forward_sequence(p, n);
   if (c * kChunk >= seq.len) return;
   const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
@@ -52,7 +52,8 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   const char* kb = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + t0 * p.k_stride[1] + h * p.k_stride[2]) * esz;
   // ForwardParams::gate_lag: token t's gate is row t - 1, the sequence's first token's is 0.
   const char* gb = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + (t0 - p.gate_lag) * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
-  const int gate_row0 = p.gate_lag && c == 0 ? 1 : 0;  // rows below it read gate 0
+  const int lo = seq.first_row(c);                // rows below it read 0 (ForwardParams::pad_front)
+  const int gate_row0 = lo + (c == 0 ? p.gate_lag : 0);  // rows below it read gate 0
   auto issue_slice = [&](int sl, int stage) {
     unsigned char* st = smem + stage * L.stage_bytes;
     const int key0 = sl * kSlice;
@@ -60,7 +61,7 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
       constexpr int CPR = kSlice / 8;
       for (int i = tid; i < kChunk * CPR; i += NT) {
         const int r = i / CPR, cc = i % CPR;
-        const bool ok = r < rows && key0 + cc * 8 < p.K;
+        const bool ok = r < rows && r >= lo && key0 + cc * 8 < p.K;
         const int64_t at = (r * p.q_stride[1] + key0 + cc * 8) * esz, kat = (r * p.k_stride[1] + key0 + cc * 8) * esz;
         cp_async16(st + L.q + (r * L.pq + cc * 8) * 2, ok ? qb + at : qb, ok);
         cp_async16(st + L.k + (r * L.pq + cc * 8) * 2, ok ? kb + kat : kb, ok);
@@ -77,7 +78,7 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
     } else {
       for (int i = tid; i < kChunk * kSlice; i += NT) {
         const int r = i / kSlice, cc = i % kSlice;
-        const bool ok = r < rows && key0 + cc < p.K;
+        const bool ok = r < rows && r >= lo && key0 + cc < p.K;
         reinterpret_cast<uint16_t*>(st + L.q)[r * L.pq + cc] =
             ok ? reinterpret_cast<const uint16_t*>(qb)[r * p.q_stride[1] + key0 + cc] : uint16_t(0);
         reinterpret_cast<uint16_t*>(st + L.k)[r * L.pq + cc] =
@@ -231,7 +232,7 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   __syncthreads();
 
   // Rows of A (64 values, 8 pieces of 16 bytes) to global memory.
-  for (int i = tid; i < rows * 8; i += NT) {
+  for (int i = tid + lo * 8; i < rows * 8; i += NT) {
     const int r = i >> 3, piece = i & 7;
     uint16_t* dst = intra + ((seq.batch * p.T + seq.bos + c * kChunk + r) * p.H + h) * kChunk + piece * 8;
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(As + r * L.pa + piece * 8);

@@ -193,7 +193,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   const int vt = static_cast<int>(hv % sa.value_tiles);
   const int64_t v0 = int64_t(vt) * BV;
 
-  const SeqSpan seq = sequence_span(p, n);
+  const SeqSpan seq = forward_sequence(p, n);
   const int64_t nchunks = (seq.len + kChunk - 1) / kChunk;
   const int64_t nseg = nchunks == 0 ? 1 : (nchunks + sa.segment_chunks - 1) / sa.segment_chunks;
   if (m >= nseg) return;
@@ -255,7 +255,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     const int lag = p.gate_lag;
     const char* g_seq = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + (seq.bos - lag) * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
     auto issue_loads = [&](int64_t chunk) {
-      const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
+      const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk)), lo = seq.first_row(chunk);
       const int64_t r0 = chunk * kChunk + lr0;
       // Row pointers advance by kRowStep rows per copy: one 64-bit add each (written as
       // base + j * step, every copy cost a 64-bit multiply).
@@ -266,8 +266,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 #pragma unroll
       for (int j = 0; j < kLoadIters; ++j) {
         const int r = lr0 + j * kRowStep;
-        const bool ok = col_ok && r < rows;
-        const bool gate_ok = ok && !(lag && chunk == 0 && r == 0);
+        const bool ok = col_ok && r < rows && r >= lo;
+        const bool gate_ok = ok && !(lag && chunk == 0 && r == lo);
         const int so = (r * L.pr + lc * 8) * 2;
         if (full) cp_async16(smem + L.q + so, ok ? qr : p.q, ok);
         cp_async16(smem + L.k + so, ok ? kr : p.k, ok);
@@ -280,7 +280,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       unsigned char* gst = smem + L.g;
       if (per_head) {
         for (int r = tid; r < kChunk; r += NP) {
-          const bool ok = r < rows && !(lag && chunk == 0 && r == 0);
+          const bool ok = r < rows && r >= lo && !(lag && chunk == 0 && r == lo);
           if (gate_bytes == 4) {
             reinterpret_cast<float*>(gst)[r] = ok ? *reinterpret_cast<const float*>(gb + r * g_rs) : 0.f;
           } else {
@@ -384,12 +384,12 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       constexpr int kIntraPieces = KEYHALF == 2 ? kChunk * 8 / NP : 1;  // 16-byte pieces per thread
       uint4 intra_rows[kIntraPieces];
       if constexpr (KEYHALF == 2) {
-        const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
+        const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk)), lo = seq.first_row(c);
         const uint16_t* src = p.intra + ((seq.batch * p.T + seq.bos + c * kChunk) * p.H + h) * kChunk;
 #pragma unroll
         for (int j = 0; j < kIntraPieces; ++j) {
           const int i = tid + j * NP, r = i >> 3;
-          intra_rows[j] = r < rows ? *reinterpret_cast<const uint4*>(src + int64_t(r) * p.H * kChunk + (i & 7) * 8)
+          intra_rows[j] = r < rows && r >= lo ? *reinterpret_cast<const uint4*>(src + int64_t(r) * p.H * kChunk + (i & 7) * 8)
                                    : make_uint4(0u, 0u, 0u, 0u);
         }
       }
@@ -614,13 +614,13 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     const int64_t v_rs = p.v_stride[1] * esz;
     const char* v_seq = static_cast<const char*>(p.v) + (seq.batch * p.v_stride[0] + seq.bos * p.v_stride[1] + h * p.v_stride[2] + v0 + lc * 8) * esz;
     auto issue_v = [&](int64_t chunk, int stage) {
-      const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk));
+      const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk)), lo = seq.first_row(chunk);
       const char* vr = v_seq + (chunk * kChunk + lr0) * v_rs;
       const int64_t v_step = kRowStep * v_rs;
 #pragma unroll
       for (int j = 0; j < kLoadIters; ++j) {
         const int r = lr0 + j * kRowStep;
-        const bool ok = col_ok && r < rows;
+        const bool ok = col_ok && r < rows && r >= lo;
         cp_async16(smem + L.v(stage) + (r * L.pv + lc * 8) * 2, ok ? vr : p.v, ok);
         vr += v_step;
       }
@@ -643,10 +643,11 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     static_assert(KEYHALF != 2 || NS / 32 * kChunk * 16 * 2 <= kChunk * (DK + 8) * 2, "prev_o fits one level tile");
     auto issue_prev_o = [&](int64_t c, int rows) {
       const char* ob = o_rows(c);
+      const int lo = seq.first_row(c);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1;
-        const bool ok = r < rows && v0 + vrow + half * 8 < p.V;
+        const bool ok = r < rows && r >= lo && v0 + vrow + half * 8 < p.V;
         cp_async16(prev_o + piece * 8, ok ? ob + (r * p.o_stride[1] + half * 8) * esz : p.o, ok);
       }
       cp_async_commit();
@@ -707,10 +708,11 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         if (c + 1 < c_end) cp_async_wait_one(); else cp_async_wait_all();
       }
       char* ob = o_rows(c);
+      const int lo = seq.first_row(c);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1;
-        if (r < rows && v0 + vrow + half * 8 < p.V) {
+        if (r < rows && r >= lo && v0 + vrow + half * 8 < p.V) {
           uint4* dst = reinterpret_cast<uint4*>(ob + (r * p.o_stride[1] + half * 8) * esz);
           const uint4 mine = *reinterpret_cast<const uint4*>(vs + r * L.pv + vrow + half * 8);
           if constexpr (KEYHALF == 2) {

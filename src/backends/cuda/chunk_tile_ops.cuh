@@ -163,6 +163,18 @@ __device__ __forceinline__ void store_final_state(const float (&S)[DK / 8][4], c
   });
 }
 
+// Sequence n as the chunk kernels walk it: with ForwardParams::pad_front, (-len mod 64) zero tokens
+// first (SeqSpan::lead), bos and len counting them.
+__device__ __forceinline__ SeqSpan forward_sequence(const ForwardParams& p, int64_t n) {
+  SeqSpan s = sequence_span(p, n);
+  if (p.pad_front) {
+    s.lead = static_cast<int>((-s.len) & (kChunk - 1));
+    s.bos -= s.lead;
+    s.len += s.lead;
+  }
+  return s;
+}
+
 // The first chunk-state slot of sequence n (starting at token bos): ForwardParams::chunk_states.
 __device__ __forceinline__ int64_t chunk_state_first(const ForwardParams& p, int64_t n, int64_t bos) {
   if (!p.varlen) return n * ((p.T + kChunk - 1) / kChunk);

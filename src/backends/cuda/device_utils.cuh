@@ -133,8 +133,13 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
 // Sequence bounds: [bos, bos + len) of batch row `batch`.
+// A sequence's rows: batch row, first token, length. lead: the zero tokens a padded walk puts
+// before the first one (ForwardParams::pad_front; bos and len then count them): the rows of chunk 0
+// below it read zero and are not written.
 struct SeqSpan {
   int64_t batch, bos, len;
+  int lead = 0;
+  __device__ __forceinline__ int first_row(int64_t chunk) const { return chunk == 0 ? lead : 0; }
 };
 // Params: any parameter struct with varlen, cu_seqlens, cu_seqlens_int64 and T (forward, backward).
 template <typename Params>

@@ -186,6 +186,7 @@ cudaError_t launch_chunk_first(const ForwardParams& p, int64_t* first, cudaStrea
 
 cudaError_t launch_forward(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   if (p.N == 0 || p.H == 0) return cudaSuccess;
+  if (p.pad_front && !is_warp_specialised(plan.kernel)) return cudaErrorInvalidValue;  // ForwardParams::pad_front
   if (is_chunk(plan.kernel) && plan.key_split) return detail::launch_key_split(p, plan, workspace, stream);
   if (is_chunk(plan.kernel)) return launch_chunk_forward(p, plan, workspace, stream);
   return launch_recurrent_forward(p, 0, stream);

@@ -57,13 +57,18 @@ ForwardParams reversed_forward(const BackwardParams& p, const BackwardPlan& plan
   f.gate_per_head = p.gate_per_head;
   // The gate's rows are read in place: the cp.async path needs them 16-byte aligned too.
   f.vector_loads = p.vector_loads && p.vector_dv && (p.gate_per_head || p.vector_gate);
+  f.pad_front = plan.reversed_pad_front;
   if (plan.state_grads_by_values && workspace != nullptr) {
-    // Reversed chunk r of (reversed) sequence n' is original chunk NC - 1 - r of its sequence, at
-    // state_grads[first chunk + NC - 1 - r]: without varlen sequence n' is row n' (first chunk
-    // n' NC, P = n' NC); with varlen it is sequence N - 1 - n', whose chunks end where the
-    // reversed one starts (T / 64 - 1 - P - r).
-    const int64_t chunk = p.H * p.K * p.V, nc = p.T / kChunk;
-    f.chunk_states = reinterpret_cast<uint16_t*>(workspace + plan.state_grads) + (nc - 1) * chunk;
+    // Reversed chunk r of (reversed) sequence n' is original chunk NC_n - 1 - r of its sequence
+    // (with pad_front the reversed chunks end where the original ones start), at
+    // state_grads[first_n + NC_n - 1 - r]. Without varlen sequence n' is row n' (first_n = n' NC,
+    // P = n' NC): slot NC - 1 + P - r. With varlen it is sequence n = N - 1 - n', and
+    // P = reversed_chunk_first[n'] counts the chunks of the sequences after n: slot
+    // num_chunks - 1 - P - r.
+    const int64_t chunk = p.H * p.K * p.V;
+    const int64_t last = p.varlen ? p.num_chunks - 1 : (p.T + kChunk - 1) / kChunk - 1;
+    f.chunk_states = reinterpret_cast<uint16_t*>(workspace + plan.state_grads) + last * chunk;
+    if (p.varlen) f.chunk_first = reinterpret_cast<const int64_t*>(workspace + plan.reversed_chunk_first);
     f.chunk_states_stride[0] = p.varlen ? -chunk : chunk;
     f.chunk_states_stride[1] = -chunk;
     f.chunk_states_stride[2] = p.K * p.V;
@@ -100,10 +105,11 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
   if (p.varlen) {
     for (int64_t i = 0; i <= p.N; ++i) reversed_offsets[i] = p.T - seq_offsets[p.N - i];
   }
-  if (p.dv != nullptr && p.num_chunks > 0 && wants_state_grads && aligned && backward::values_from_do(p) &&
+  if (p.dv != nullptr && p.num_chunks > 0 && wants_state_grads && backward::values_from_do(p) &&
       std::fabs(p.scale) >= backward::kMinStateGradScale) {
     const ForwardPlan values = plan_forward(backward::reversed_forward(p, plan, nullptr), reversed_offsets.data(), sm_count);
-    plan.state_grads_by_values = is_chunk(values.kernel) ? 1 : 0;
+    plan.state_grads_by_values = aligned ? is_chunk(values.kernel) : is_warp_specialised(values.kernel);
+    plan.reversed_pad_front = plan.state_grads_by_values && !aligned ? 1 : 0;
   }
   const bool forward_walks = p.saved_states == nullptr, reverse_walks = !plan.state_grads_by_values;
   plan.scan_directions = int32_t(forward_walks) + int32_t(reverse_walks);
@@ -158,6 +164,10 @@ BackwardPlan plan_backward(const BackwardParams& p, const int64_t* seq_offsets, 
     if (p.varlen) {
       plan.reversed_offsets = at;
       at = align256(at + static_cast<size_t>(p.N + 1) * sizeof(int64_t));
+      if (plan.state_grads_by_values) {
+        plan.reversed_chunk_first = at;
+        at = align256(at + static_cast<size_t>(p.N + 1) * sizeof(int64_t));
+      }
     }
     if (p.dht != nullptr) {
       plan.reversed_dht = at;
