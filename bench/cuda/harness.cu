@@ -281,6 +281,7 @@ static void setup(Problem& P, uint64_t seed, bool need_host) {
     for (int64_t n = 0; n < P.N; ++n) max_chunks = std::max<int64_t>(max_chunks, (so[n + 1] - so[n] + 63) / 64);
     const int64_t want = std::atoll(seg);
     P.plan.segment_chunks = want <= 0 || want >= max_chunks ? std::max<int64_t>(1, max_chunks) : want;
+    P.plan.whole_chunks = 0;
     P.plan.max_segments = (max_chunks + P.plan.segment_chunks - 1) / P.plan.segment_chunks;
     if (P.plan.max_segments < 1) P.plan.max_segments = 1;
     const size_t per = size_t(P.plan.value_tiles) * P.plan.value_tile * P.plan.head_dim_k + P.plan.head_dim_k;

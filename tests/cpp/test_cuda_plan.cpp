@@ -187,7 +187,11 @@ void expect_segments_cover(const ForwardPlan& plan, const Shape& s, const std::v
   ASSERT_GE(plan.max_segments, 1);
   for (size_t n = 0; n + 1 < so.size(); ++n) {
     const int64_t chunks = (so[n + 1] - so[n] + 63) / 64;
-    EXPECT_LE(chunks, plan.segment_chunks * plan.max_segments) << "sequence " << n;
+    const int64_t seg = cuda::detail::sequence_segment_chunks(plan.segment_chunks, plan.whole_chunks, chunks);
+    const int64_t segments = cuda::detail::sequence_segments(plan.segment_chunks, plan.whole_chunks, chunks);
+    EXPECT_LE(segments, plan.max_segments) << "sequence " << n;
+    EXPECT_LE(chunks, seg * segments) << "sequence " << n;
+    if (chunks > 0) EXPECT_GT(chunks, seg * (segments - 1)) << "sequence " << n << ": an empty segment";
   }
   const int64_t N = static_cast<int64_t>(so.size()) - 1;
   const size_t per = size_t(plan.value_tiles) * plan.value_tile * plan.head_dim_k + plan.head_dim_k;
@@ -203,14 +207,15 @@ void expect_longest_first(const ForwardPlan& plan, const std::vector<int64_t>& s
   int64_t blocks = 0;
   for (size_t n = 0; n + 1 < so.size(); ++n) {
     const int64_t chunks = (so[n + 1] - so[n] + 63) / 64;
-    blocks += chunks == 0 ? 1 : (chunks + plan.segment_chunks - 1) / plan.segment_chunks;
+    blocks += cuda::detail::sequence_segments(plan.segment_chunks, plan.whole_chunks, chunks);
   }
   EXPECT_EQ(plan.block_order_count, blocks);
   for (int i = 0; i < plan.block_order_count; ++i) {
     const int64_t b = plan.block_order[i], n = b / plan.max_segments, m = b % plan.max_segments;
     ASSERT_LT(n + 1, static_cast<int64_t>(so.size()));
     const int64_t chunks = (so[n + 1] - so[n] + 63) / 64;
-    const int64_t len = chunks == 0 ? 0 : std::min(plan.segment_chunks, chunks - m * plan.segment_chunks);
+    const int64_t seg = cuda::detail::sequence_segment_chunks(plan.segment_chunks, plan.whole_chunks, chunks);
+    const int64_t len = chunks == 0 ? 0 : std::min(seg, chunks - m * seg);
     EXPECT_GE(len, 0) << "block " << i;
     EXPECT_EQ(++seen[b], 1) << "block " << b << " listed twice";
     EXPECT_LE(len, prev_len) << "block " << i;
@@ -263,6 +268,23 @@ TEST(CudaPlan, UnevenSequencesLaunchLongestFirst) {
   const ForwardPlan single = plan_for({.B = 1, .T = so.back(), .H = 16, .gate_dtype = cuda::kF32}, so);
   EXPECT_EQ(single.kernel, ForwardKernel::kChunk);
   EXPECT_EQ(single.block_order_count, 0);
+}
+
+// One long sequence among shorter ones (the benchmark's varlen case): the short ones run whole and
+// only the long one splits, so its segments do not leave the GPU idle behind a split of the others.
+TEST(CudaPlan, OnlyTheLongestSequencesSplit) {
+  const std::vector<int64_t> so = {0,     1,     7000,  7001,  9000,  9100,  12000, 15000, 15001,
+                                   18000, 21000, 24000, 26000, 28000, 30000, 31500, 32769};
+  const Shape s{.B = 1, .T = so.back(), .H = 16};
+  const ForwardPlan plan = plan_for(s, so);
+  EXPECT_GE(plan.whole_chunks, 47);  // the 47-chunk sequences are one segment each
+  EXPECT_LT(plan.whole_chunks, 110);
+  EXPECT_LT(plan.segment_chunks, 47);
+  EXPECT_EQ(plan.max_segments, (110 + plan.segment_chunks - 1) / plan.segment_chunks);
+  expect_segments_cover(plan, s, so);
+  expect_longest_first(plan, so);
+  // Equal lengths: nothing to keep whole.
+  EXPECT_EQ(plan_for({.B = 1, .T = 32768, .H = 16}).whole_chunks, 0);
 }
 
 // One name per kernel, distinct: the harness and plan_note print them.

@@ -105,6 +105,9 @@ struct ForwardPlan {
   int32_t value_tile = 0;        // 64 or 128
   int32_t value_tiles = 0;
   int64_t segment_chunks = 0;  // segment length in 64-token chunks
+  // Sequences of at most whole_chunks chunks run as one segment (0: every sequence splits by
+  // segment_chunks); see detail::sequence_segment_chunks.
+  int64_t whole_chunks = 0;
   int64_t max_segments = 0;    // per sequence (grid size)
   size_t workspace_bytes = 0;  // segment states + decays (only when max_segments > 1), + the partial o
   size_t shared_bytes = 0;     // dynamic shared memory per block of the kernel (the device must allow it)

@@ -24,6 +24,7 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
   const int64_t max_segments = plan.max_segments;
   SegmentArgs sa{};
   sa.segment_chunks = plan.segment_chunks;
+  sa.whole_chunks = plan.whole_chunks;
   sa.max_segments = max_segments;
   sa.value_tiles = plan.value_tiles;
   if (max_segments > 1) {
@@ -60,6 +61,7 @@ cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* 
   }
   SegmentArgs sa{};
   sa.segment_chunks = plan.segment_chunks;
+  sa.whole_chunks = plan.whole_chunks;
   sa.max_segments = plan.max_segments;
   sa.value_tiles = plan.value_tiles;
   const dim3 grid(static_cast<unsigned>(p.N * plan.max_segments), static_cast<unsigned>(p.H * plan.value_tiles));
@@ -75,7 +77,7 @@ cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* 
   }
   sa.pass = 2;
   // The full pass longest block first (plan.block_order; pass 1's blocks are whole segments of
-  // equal length and keep the natural grid).
+  // segment_chunks each and keep the natural grid).
   if (plan.block_order_count > 0) {
     sa.order_count = plan.block_order_count;
     for (int i = 0; i < plan.block_order_count; ++i) sa.order[i] = plan.block_order[i];

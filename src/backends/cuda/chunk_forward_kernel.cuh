@@ -191,11 +191,12 @@ chunk_forward_kernel(const __grid_constant__ ForwardParams p, const __grid_const
 
   const SeqSpan seq = sequence_span(p, n);
   const int64_t nchunks = (seq.len + kChunk - 1) / kChunk;
-  const int64_t nseg = nchunks == 0 ? 1 : (nchunks + sa.segment_chunks - 1) / sa.segment_chunks;
+  const int64_t seg_len = sequence_segment_chunks(sa.segment_chunks, sa.whole_chunks, nchunks);
+  const int64_t nseg = sequence_segments(sa.segment_chunks, sa.whole_chunks, nchunks);
   if (m >= nseg) return;
   if (!full && m >= nseg - 1) return;  // pass 1: the last segment needs no local state
-  const int64_t c_begin = m * sa.segment_chunks;
-  const int64_t c_end = gla_min64(nchunks, c_begin + sa.segment_chunks);
+  const int64_t c_begin = m * seg_len;
+  const int64_t c_end = gla_min64(nchunks, c_begin + seg_len);
   const int64_t seg_index = (n * sa.max_segments + m) * p.H + h;
 
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;

@@ -195,7 +195,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
   const SeqSpan seq = forward_sequence(p, n);
   const int64_t nchunks = (seq.len + kChunk - 1) / kChunk;
-  const int64_t nseg = nchunks == 0 ? 1 : (nchunks + sa.segment_chunks - 1) / sa.segment_chunks;
+  const int64_t seg_len = sequence_segment_chunks(sa.segment_chunks, sa.whole_chunks, nchunks);
+  const int64_t nseg = sequence_segments(sa.segment_chunks, sa.whole_chunks, nchunks);
   if (m >= nseg) return;
   // Pass 1 of a segment split: only the segment's local state (from zero) and its total log2
   // decay -- no q, A, o. The last segment's is never needed.
@@ -203,8 +204,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   constexpr bool own_a = full && KEYHALF == 0;  // this pass forms A itself
   if (!full && m >= nseg - 1) return;
   const int64_t seg_index = (n * sa.max_segments + m) * p.H + h;
-  const int64_t c_begin = m * sa.segment_chunks;
-  const int64_t c_end = gla_min64(nchunks, c_begin + sa.segment_chunks);
+  const int64_t c_begin = m * seg_len;
+  const int64_t c_end = gla_min64(nchunks, c_begin + seg_len);
 
   const bool per_head = p.gate_per_head != 0;
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;  // 4 only with per_head here

@@ -19,8 +19,20 @@ constexpr int kChunk = 64;
 // with ForwardParams the parameters stay under the classic 4 KB).
 constexpr int kMaxBlockOrder = 480;
 
+// Chunks per segment of a sequence of `chunks` chunks: a sequence of at most whole_chunks chunks
+// is one segment, a longer one splits into segments of segment_chunks (the last one shorter).
+GLA_HD inline int64_t sequence_segment_chunks(int64_t segment_chunks, int64_t whole_chunks, int64_t chunks) {
+  return chunks <= whole_chunks ? (chunks > 0 ? chunks : 1) : segment_chunks;
+}
+// Segments of a sequence of `chunks` chunks (an empty sequence has one: it writes its final state).
+GLA_HD inline int64_t sequence_segments(int64_t segment_chunks, int64_t whole_chunks, int64_t chunks) {
+  const int64_t seg = sequence_segment_chunks(segment_chunks, whole_chunks, chunks);
+  return chunks == 0 ? 1 : (chunks + seg - 1) / seg;
+}
+
 struct SegmentArgs {
-  int64_t segment_chunks;  // chunks per segment
+  int64_t segment_chunks;  // chunks per segment of the sequences that split
+  int64_t whole_chunks;    // sequences of at most this many chunks do not split (0: all split)
   int64_t max_segments;
   int32_t value_tiles;
   int32_t pass;            // 1: local states only; 2: full forward

@@ -446,8 +446,10 @@ class CudaBackend final : public Backend {
                                   "summed into the first's by a third kernel)");
     }
     if (plan.max_segments > 1) {
-      s += ", sequences split into segments of " + std::to_string(plan.segment_chunks) +
-           " chunks (up to " + std::to_string(plan.max_segments) + "; two passes, " +
+      s += ", sequences " +
+           (plan.whole_chunks > 0 ? "over " + std::to_string(plan.whole_chunks) + " chunks " : std::string()) +
+           "split into segments of " + std::to_string(plan.segment_chunks) + " chunks (up to " +
+           std::to_string(plan.max_segments) + "; two passes, " +
            std::to_string(plan.workspace_bytes) + " workspace bytes)";
     } else {
       s += ", one CTA walks each whole sequence";

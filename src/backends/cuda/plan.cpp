@@ -27,20 +27,22 @@ double simulate(const std::vector<double>& costs, int slots) {
   return end;
 }
 
-// The full pass's blocks (n, m) of one head tile at segment length seg, with their estimated cost
-// (chunks + fixed cost + folding the m earlier states): longest first, among equal lengths the
-// one folding more states first, then in (n, m) order.
+// The full pass's blocks (n, m) of one head tile at segment length seg (sequences of at most
+// `whole` chunks unsplit), with their estimated cost (chunks + fixed cost + folding the m earlier
+// states): longest first, among equal lengths the one folding more states first, then in (n, m)
+// order.
 struct BlockItem {
   double cost;
   int64_t len, n, m;
 };
-std::vector<BlockItem> blocks_longest_first(const std::vector<int64_t>& chunks, int64_t seg) {
+std::vector<BlockItem> blocks_longest_first(const std::vector<int64_t>& chunks, int64_t seg, int64_t whole) {
   std::vector<BlockItem> items;
   for (int64_t n = 0; n < static_cast<int64_t>(chunks.size()); ++n) {
     // An empty sequence still has its one block (it writes final_state = initial_state).
-    const int64_t ns = chunks[n] == 0 ? 1 : (chunks[n] + seg - 1) / seg;
+    const int64_t len_n = detail::sequence_segment_chunks(seg, whole, chunks[n]);
+    const int64_t ns = detail::sequence_segments(seg, whole, chunks[n]);
     for (int64_t m = 0; m < ns; ++m) {
-      const int64_t len = chunks[n] == 0 ? 0 : std::min(seg, chunks[n] - m * seg);
+      const int64_t len = chunks[n] == 0 ? 0 : std::min(len_n, chunks[n] - m * len_n);
       items.push_back({double(len) + 0.3 + 0.15 * double(m), len, n, m});
     }
   }
@@ -69,7 +71,7 @@ void order_blocks(ForwardPlan& plan, const int64_t* seq_offsets, int64_t N) {
   if (!is_warp_specialised(plan.kernel) || N < 2) return;
   std::vector<int64_t> chunks(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n) chunks[n] = (seq_offsets[n + 1] - seq_offsets[n] + 63) / 64;
-  const std::vector<BlockItem> items = blocks_longest_first(chunks, plan.segment_chunks);
+  const std::vector<BlockItem> items = blocks_longest_first(chunks, plan.segment_chunks, plan.whole_chunks);
   if (items.size() > size_t(detail::kMaxBlockOrder)) return;
   // Equal lengths throughout (and no segments): the natural order is already longest first.
   if (items.front().len == items.back().len && plan.max_segments == 1) return;
@@ -160,43 +162,64 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   }
   const int64_t copies = p.H * plan.value_tiles;
   plan.segment_chunks = std::max<int64_t>(1, max_chunks);
+  plan.whole_chunks = 0;
   plan.max_segments = 1;
-  // Candidate segment lengths; cost = pass-2 makespan + pass-1 makespan (state-only chunks cost
-  // about half) + one chunk of overhead per segment for folding the earlier states.
-  if (p.N * copies * std::max<int64_t>(1, max_chunks / 8) <= 400000 && max_chunks > 8) {
+  // Candidate splits (segment length, and the longest sequences that stay whole); cost = pass-2
+  // makespan + pass-1 makespan (state-only chunks cost about half) + one chunk of overhead per
+  // segment for folding the earlier states.
+  const int64_t blocks_at_8 = p.N * copies * std::max<int64_t>(1, max_chunks / 8);
+  if (blocks_at_8 <= 400000 && max_chunks > 8) {
+    // Uneven lengths: besides splitting every sequence, keep the sequences up to one of the two
+    // longest lengths below the longest whole and split only the longer ones (varlen 16 sequences
+    // of 1..110 chunks, H16 D128: the model's makespan 84.3 chunks at segments of 32 for all,
+    // 77.1 at 16 for the 110-chunk sequence alone). Fewer candidates where the model is costly.
+    std::vector<int64_t> wholes{0};
+    if (blocks_at_8 <= 100000) {
+      std::vector<int64_t> lengths(chunks);
+      std::sort(lengths.begin(), lengths.end(), std::greater<int64_t>());
+      for (int64_t len : lengths) {
+        if (len > 0 && len < max_chunks && len != wholes.back() && wholes.size() < 3) wholes.push_back(len);
+      }
+    }
     double best = -1.0;
     for (int64_t seg : {max_chunks, int64_t(96), int64_t(64), int64_t(48), int64_t(32), int64_t(24),
                         int64_t(16), int64_t(12), int64_t(8)}) {
       if (seg > max_chunks) continue;
       const int64_t max_seg = (max_chunks + seg - 1) / seg;
-      std::vector<double> pass2, pass1;
-      // The warp-specialised kernels launch the full pass longest first when the blocks fit the
-      // order table (order_blocks): model that order, heads innermost.
-      const std::vector<BlockItem> ordered = blocks_longest_first(chunks, seg);
-      const bool use_order = is_warp_specialised(plan.kernel) && p.N > 1 && ordered.size() <= size_t(detail::kMaxBlockOrder);
-      if (use_order) {
-        for (const BlockItem& b : ordered) pass2.insert(pass2.end(), size_t(copies), b.cost);
-      }
-      for (int64_t y = 0; y < copies; ++y) {
-        for (int64_t n = 0; n < p.N; ++n) {
-          const int64_t ns = chunks[n] == 0 ? 1 : (chunks[n] + seg - 1) / seg;
-          for (int64_t m = 0; m < max_seg; ++m) {
-            if (m >= ns) {
-              if (!use_order) pass2.push_back(0.02);
-              continue;
+      for (int64_t whole : wholes) {
+        if (whole != 0 && whole <= seg) continue;  // every sequence up to seg chunks is whole anyway
+        std::vector<double> pass2, pass1;
+        // The warp-specialised kernels launch the full pass longest first when the blocks fit the
+        // order table (order_blocks): model that order, heads innermost.
+        const std::vector<BlockItem> ordered = blocks_longest_first(chunks, seg, whole);
+        const bool use_order =
+            is_warp_specialised(plan.kernel) && p.N > 1 && ordered.size() <= size_t(detail::kMaxBlockOrder);
+        if (use_order) {
+          for (const BlockItem& b : ordered) pass2.insert(pass2.end(), size_t(copies), b.cost);
+        }
+        for (int64_t y = 0; y < copies; ++y) {
+          for (int64_t n = 0; n < p.N; ++n) {
+            const int64_t len_n = detail::sequence_segment_chunks(seg, whole, chunks[n]);
+            const int64_t ns = detail::sequence_segments(seg, whole, chunks[n]);
+            for (int64_t m = 0; m < max_seg; ++m) {
+              if (m >= ns) {
+                if (!use_order) pass2.push_back(0.02);
+                continue;
+              }
+              const int64_t len = std::min(len_n, chunks[n] - m * len_n);
+              if (!use_order) pass2.push_back(double(len) + 0.3 + 0.15 * double(m));
+              if (m < ns - 1) pass1.push_back(0.5 * double(len) + 0.3);
             }
-            const int64_t len = std::min(seg, chunks[n] - m * seg);
-            if (!use_order) pass2.push_back(double(len) + 0.3 + 0.15 * double(m));
-            if (m < ns - 1) pass1.push_back(0.5 * double(len) + 0.3);
           }
         }
-      }
-      double cost = simulate(pass2, slots);
-      if (!pass1.empty()) cost += simulate(pass1, slots) + 1.0;
-      if (best < 0 || cost < best * 0.97) {
-        best = cost;
-        plan.segment_chunks = seg;
-        plan.max_segments = max_seg;
+        double cost = simulate(pass2, slots);
+        if (!pass1.empty()) cost += simulate(pass1, slots) + 1.0;
+        if (best < 0 || cost < best * 0.97) {
+          best = cost;
+          plan.segment_chunks = seg;
+          plan.whole_chunks = max_seg > 1 ? whole : 0;
+          plan.max_segments = max_seg;
+        }
       }
     }
   }
