@@ -12,7 +12,7 @@
 //   2. the slice's terms added to fp32 registers: the off-diagonal 16x16 blocks on tensor cores from
 //      qloc/kloc as the chunk kernels form them (offdiag_accumulate; every row of such a block sums
 //      16+ terms) on warps 0..5, and on every warp the 16x16 diagonal blocks element-wise in fp32
-//      (SPEC.md 3.2): A[t, s] = sum_k q_tk k_sk F_tk with F the running product of e_u, u = s+1..t
+//      (SPEC.md 3.2): A[t, s] = sum_k q_tk (k_sk F_tk) with F the running product of e_u, u = s+1..t
 //      (each <= 1, no exponent per pair). The pivot-level copies the chunk kernels use there are
 //      rounded to 16 bits, which left the first rows of a sequence (one to three terms each) 1-2%
 //      off where q.k nearly cancels.
@@ -171,7 +171,9 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
     // ---- phase 2: the off-diagonal blocks from qloc/kloc, the diagonal blocks from raw q, k ----
     if (warp < 6) offdiag_accumulate<kSlice, X>(oacc, qloc, kloc, L.pq, tot, bi, bj, lane);
     {
-      float kf[8], f[8];
+      // kf: k_s times the running product of the factors (one multiply per key and row, and the
+      // product with q_t is the FMA itself).
+      float kf[8];
       int s = sp;
 #pragma unroll
       for (int i = 0; i < 17; ++i) {
@@ -182,7 +184,6 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
             const float2 kk = X::to_float2(*reinterpret_cast<const uint32_t*>(ks + (dsub * 16 + s) * L.pq + key_col(j)));
             kf[j] = kk.x;
             kf[j + 1] = kk.y;
-            f[j] = f[j + 1] = 1.f;
           }
         }
         const int t = i < first_rows ? sp + i : s + (i - first_rows);
@@ -192,12 +193,12 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
         for (int j = 0; j < 8; j += 2) {
           if (t > s) {
             const float2 ee = *reinterpret_cast<const float2*>(es + trow * L.pe + key_col(j));
-            f[j] *= ee.x;
-            f[j + 1] *= ee.y;
+            kf[j] *= ee.x;
+            kf[j + 1] *= ee.y;
           }
           const float2 qq = X::to_float2(*reinterpret_cast<const uint32_t*>(qs + trow * L.pq + key_col(j)));
-          sum = fmaf(qq.x * kf[j], f[j], sum);
-          sum = fmaf(qq.y * kf[j + 1], f[j + 1], sum);
+          sum = fmaf(qq.x, kf[j], sum);
+          sum = fmaf(qq.y, kf[j + 1], sum);
         }
         dacc[i] += sum;
       }
