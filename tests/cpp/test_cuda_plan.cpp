@@ -191,7 +191,9 @@ void expect_segments_cover(const ForwardPlan& plan, const Shape& s, const std::v
     const int64_t segments = cuda::detail::sequence_segments(plan.segment_chunks, plan.whole_chunks, chunks);
     EXPECT_LE(segments, plan.max_segments) << "sequence " << n;
     EXPECT_LE(chunks, seg * segments) << "sequence " << n;
-    if (chunks > 0) EXPECT_GT(chunks, seg * (segments - 1)) << "sequence " << n << ": an empty segment";
+    if (chunks > 0) {
+      EXPECT_GT(chunks, seg * (segments - 1)) << "sequence " << n << ": an empty segment";
+    }
   }
   const int64_t N = static_cast<int64_t>(so.size()) - 1;
   const size_t per = size_t(plan.value_tiles) * plan.value_tile * plan.head_dim_k + plan.head_dim_k;
