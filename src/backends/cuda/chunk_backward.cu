@@ -125,7 +125,7 @@ cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, cons
   if (p.dq != nullptr || p.dk != nullptr || p.dg != nullptr) {
     const size_t bytes = sizeof(DqkShared);
     if ((err = detail::allow_dynamic_shared_memory<dqk_kernel<E>>(bytes, detail::Carveout::kMaxShared)) != cudaSuccess) return err;
-    dqk_kernel<E><<<dim3(static_cast<unsigned>(p.num_chunks), static_cast<unsigned>(p.H), plan.key_tiles),
+    dqk_kernel<E><<<dim3(static_cast<unsigned>(p.num_chunks * plan.key_tiles), static_cast<unsigned>(p.H)),
                     kGradThreads, bytes, stream>>>(p, plan, ws);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }

@@ -121,7 +121,7 @@ __device__ __forceinline__ float2 pair_at(const uint16_t* tile, int pitch, int r
   return X::to_float2(*reinterpret_cast<const uint32_t*>(tile + row * pitch + col));
 }
 
-// grid: (num_chunks, H, key_tiles)
+// grid: (num_chunks * key_tiles, H)
 template <typename E>
 __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
   using X = detail::Elem<E>;
@@ -133,8 +133,11 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int blk = warp & 3, row0 = 16 * blk, col0 = 32 * (warp >> 2);
   const int fr = lane >> 2, fc = detail::fc_of(lane), mi = lane >> 3;
-  const int64_t chunk = blockIdx.x, h = blockIdx.y;
-  const int64_t k0 = int64_t(blockIdx.z) * kTile;
+  // Key tiles innermost (blockIdx.x = chunk * key_tiles + tile): the tiles of a chunk run side by
+  // side, so do and v come from DRAM once and from L2 for the other tiles.
+  const int64_t chunk = blockIdx.x / plan.key_tiles, h = blockIdx.y;
+  const int key_tile = static_cast<int>(blockIdx.x % plan.key_tiles);
+  const int64_t k0 = int64_t(key_tile) * kTile;
   const int64_t kv = p.K - k0 < kTile ? p.K - k0 : kTile;
   const ChunkRef ch = locate_chunk(p, ws.chunk_offsets, chunk);
   const int64_t rows = ch.len;
@@ -568,7 +571,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         detail::store_any(p.dg, ch.batch * p.dg_stride[0] + (ch.t0 + tid) * p.dg_stride[1] + h * p.dg_stride[2],
                           p.dg_dtype, total);
       } else {
-        ws.gate_partials[(int64_t(blockIdx.z) * p.B * p.T + token) * p.H + h] = total;
+        ws.gate_partials[(int64_t(key_tile) * p.B * p.T + token) * p.H + h] = total;
       }
     }
   } else {
