@@ -415,6 +415,9 @@ static int run_check() {
     c.K = c.V = 100; add(c, "varlen 5 seqs K100");
     c.K = c.V = 256; add(c, "varlen 5 seqs K256");
     c.K = c.V = 128; c.T = 9000; c.cu = {0, 1, 4500, 4500, 4501, 9000}; add(c, "varlen long + 1 + empty");
+    // Many heads, one long sequence: the plan keeps the others whole (ForwardPlan::whole_chunks 24,
+    // the long one in segments of 8 on 132 SMs).
+    c.H = 16; c.T = 11500; c.cu = {0, 4000, 5500, 7000, 8500, 10000, 11500}; add(c, "varlen H16 long + whole");
     c.cu.clear(); c.B = 1; c.T = 8192; c.H = 1; add(c, "1x8192x1x128 (split)");
     c.K = c.V = 64; c.T = 16384; add(c, "1x16384x1x64 (split)");
     c.v_first = true; add(c, "split v_first");
@@ -449,10 +452,10 @@ static int run_check() {
     const double tol = c.dtype == kF32 ? 1e-3 : 5e-3;
     const bool ok = eo < tol && eh < tol && nf_o == 0 && nf_h == 0;
     fails += !ok;
-    std::printf("%-4s %-6s %-28s o %.2e ht %.2e nonfinite %lld/%lld path %s seg %lld x %lld order %d\n", ok ? "ok" : "FAIL",
-                c.dtype == kBF16 ? "bf16" : c.dtype == kF16 ? "fp16" : "fp32", c.name.c_str(), eo, eh,
-                (long long)nf_o, (long long)nf_h, kernel_name(P.plan.kernel).id,
-                (long long)P.plan.max_segments, (long long)P.plan.segment_chunks, P.plan.block_order_count);
+    std::printf("%-4s %-6s %-28s o %.2e ht %.2e nonfinite %lld/%lld path %s seg %lld x %lld whole %lld order %d\n",
+                ok ? "ok" : "FAIL", c.dtype == kBF16 ? "bf16" : c.dtype == kF16 ? "fp16" : "fp32", c.name.c_str(), eo, eh,
+                (long long)nf_o, (long long)nf_h, kernel_name(P.plan.kernel).id, (long long)P.plan.max_segments,
+                (long long)P.plan.segment_chunks, (long long)P.plan.whole_chunks, P.plan.block_order_count);
     // Determinism: a second run gives identical bytes.
     if (is_chunk(P.plan.kernel)) {
       CK(launch_forward(P.p, P.plan, P.d.ws, 0));
