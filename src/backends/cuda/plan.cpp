@@ -27,25 +27,34 @@ double simulate(const std::vector<double>& costs, int slots) {
   return end;
 }
 
-// The full pass's blocks (n, m) of one head tile at segment length seg (sequences of at most
-// `whole` chunks unsplit), with their estimated cost (chunks + fixed cost + folding the m earlier
-// states): longest first, among equal lengths the one folding more states first, then in (n, m)
-// order.
+// The model's costs in chunk units: a full-pass block of len chunks that folds the m earlier
+// segments' states, and a local-state (pass 1) block, whose state-only chunks cost about half.
+double full_block_cost(int64_t len, int64_t m) { return double(len) + 0.3 + 0.15 * double(m); }
+double local_block_cost(int64_t len) { return 0.5 * double(len) + 0.3; }
+
+// fn(n, m, len, segments) for every full-pass block (sequence n, segment m of `segments`, len
+// chunks) at segment length seg, sequences of at most `whole` chunks unsplit. An empty sequence
+// still has its one block (it writes final_state = initial_state), of length 0.
+template <typename Fn>
+void for_each_block(const std::vector<int64_t>& chunks, int64_t seg, int64_t whole, Fn&& fn) {
+  for (int64_t n = 0; n < static_cast<int64_t>(chunks.size()); ++n) {
+    const int64_t len_n = detail::sequence_segment_chunks(seg, whole, chunks[n]);
+    const int64_t ns = detail::sequence_segments(seg, whole, chunks[n]);
+    for (int64_t m = 0; m < ns; ++m) fn(n, m, chunks[n] == 0 ? 0 : std::min(len_n, chunks[n] - m * len_n), ns);
+  }
+}
+
+// The full pass's blocks (n, m) of one head tile with their modeled cost: longest first, among
+// equal lengths the one folding more states first, then in (n, m) order.
 struct BlockItem {
   double cost;
   int64_t len, n, m;
 };
 std::vector<BlockItem> blocks_longest_first(const std::vector<int64_t>& chunks, int64_t seg, int64_t whole) {
   std::vector<BlockItem> items;
-  for (int64_t n = 0; n < static_cast<int64_t>(chunks.size()); ++n) {
-    // An empty sequence still has its one block (it writes final_state = initial_state).
-    const int64_t len_n = detail::sequence_segment_chunks(seg, whole, chunks[n]);
-    const int64_t ns = detail::sequence_segments(seg, whole, chunks[n]);
-    for (int64_t m = 0; m < ns; ++m) {
-      const int64_t len = chunks[n] == 0 ? 0 : std::min(len_n, chunks[n] - m * len_n);
-      items.push_back({double(len) + 0.3 + 0.15 * double(m), len, n, m});
-    }
-  }
+  for_each_block(chunks, seg, whole, [&](int64_t n, int64_t m, int64_t len, int64_t) {
+    items.push_back({full_block_cost(len, m), len, n, m});
+  });
   std::stable_sort(items.begin(), items.end(), [](const BlockItem& a, const BlockItem& b) {
     return a.len != b.len ? a.len > b.len : a.m > b.m;
   });
@@ -193,20 +202,14 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
         // (200 uneven sequences, H16: 1.66 ms of planning without it).
         if (best >= 0) {
           double work2 = 0, longest2 = 0, work1 = 0, longest1 = 0;
-          for (int64_t n = 0; n < p.N; ++n) {
-            const int64_t len_n = detail::sequence_segment_chunks(seg, whole, chunks[n]);
-            const int64_t ns = detail::sequence_segments(seg, whole, chunks[n]);
-            for (int64_t m = 0; m < ns; ++m) {
-              const int64_t len = chunks[n] == 0 ? 0 : std::min(len_n, chunks[n] - m * len_n);
-              const double c2 = double(len) + 0.3 + 0.15 * double(m), c1 = 0.5 * double(len) + 0.3;
-              work2 += c2;
-              longest2 = std::max(longest2, c2);
-              if (m < ns - 1) {
-                work1 += c1;
-                longest1 = std::max(longest1, c1);
-              }
+          for_each_block(chunks, seg, whole, [&](int64_t, int64_t m, int64_t len, int64_t segments) {
+            work2 += full_block_cost(len, m);
+            longest2 = std::max(longest2, full_block_cost(len, m));
+            if (m < segments - 1) {
+              work1 += local_block_cost(len);
+              longest1 = std::max(longest1, local_block_cost(len));
             }
-          }
+          });
           double bound = std::max(work2 * double(copies) / slots, longest2);
           if (work1 > 0) bound += std::max(work1 * double(copies) / slots, longest1) + 1.0;
           if (bound >= best * 0.97) continue;
@@ -220,20 +223,14 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
         if (use_order) {
           for (const BlockItem& b : ordered) pass2.insert(pass2.end(), size_t(copies), b.cost);
         }
+        // Natural order: per head tile, every sequence's max_seg blocks (those past its segments
+        // return at once).
         for (int64_t y = 0; y < copies; ++y) {
-          for (int64_t n = 0; n < p.N; ++n) {
-            const int64_t len_n = detail::sequence_segment_chunks(seg, whole, chunks[n]);
-            const int64_t ns = detail::sequence_segments(seg, whole, chunks[n]);
-            for (int64_t m = 0; m < max_seg; ++m) {
-              if (m >= ns) {
-                if (!use_order) pass2.push_back(0.02);
-                continue;
-              }
-              const int64_t len = std::min(len_n, chunks[n] - m * len_n);
-              if (!use_order) pass2.push_back(double(len) + 0.3 + 0.15 * double(m));
-              if (m < ns - 1) pass1.push_back(0.5 * double(len) + 0.3);
-            }
-          }
+          for_each_block(chunks, seg, whole, [&](int64_t, int64_t m, int64_t len, int64_t segments) {
+            if (!use_order) pass2.push_back(full_block_cost(len, m));
+            if (m < segments - 1) pass1.push_back(local_block_cost(len));
+            if (!use_order && m == segments - 1) pass2.insert(pass2.end(), size_t(max_seg - segments), 0.02);
+          });
         }
         double cost = simulate(pass2, slots);
         if (!pass1.empty()) cost += simulate(pass1, slots) + 1.0;
