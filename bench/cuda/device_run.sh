@@ -44,6 +44,17 @@ for step in "$@"; do
       ncu -i "$LOG/ws.ncu-rep" --page source --csv --print-source sass > "$LOG/ws_sass.csv" 2> "$LOG/ws_sass.err"; wc -l "$LOG/ws_sass.csv"; head -c 600 "$LOG/ws_sass.err"
       ncu -i "$LOG/ws.ncu-rep" --page details > "$LOG/ws_details.txt" 2>&1; grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy" "$LOG/ws_details.txt" | head -12
       rm -f "$LOG/ws.ncu-rep" ;;
+    ncudqk) # the same for the backward's dqk_kernel, through the public call (one fwd+bwd of
+      # NCU_CASE, a bench_training.py label, default B8 T4096 H16 D128; carry the library), summarised
+      # by the regions between its barriers (ncu_regions.py)
+      PYTHONPATH=python GLA_LIBRARY=build-cuda/libgla.so LD_LIBRARY_PATH=build-cuda ncu --clock-control none --set full \
+        --import-source no -k regex:dqk_kernel -c 1 -o "$LOG/dqk" python3 bench/cuda/kernel_times.py --once \
+        --cases "${NCU_CASE:-B8 T4096 H16 D128}" > "$LOG/ncu_dqk_run.log" 2>&1
+      ncu -i "$LOG/dqk.ncu-rep" --page source --csv --print-source sass > "$LOG/dqk_sass.csv" 2> "$LOG/dqk_sass.err"
+      ncu -i "$LOG/dqk.ncu-rep" --page details > "$LOG/dqk_details.txt" 2>&1
+      grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy" "$LOG/dqk_details.txt" | head -12
+      python3 bench/cuda/ncu_regions.py "$LOG/dqk_sass.csv" --top 15 2>&1 | tee "$LOG/dqk_regions.txt" | head -60
+      rm -f "$LOG/dqk.ncu-rep" ;;
     sanitize) export GLA_CHECK_SMALL=1
       timeout 240 compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$LOG/memcheck.log"
       # the shipped kernels as built (mbarrier hand-off); the whole report is kept for the warnings

@@ -4,7 +4,7 @@
 
 Regions are cut at the warp-specialised kernel's landmarks: the two setmaxnreg instructions
 (state group first in the SASS, then the prep group) and every barrier (BAR.SYNC / BAR.ARV) after
-them. Per region: warp instructions executed per (CTA x chunk) when --per N is given (N = CTAs x
+them; in a kernel without setmaxnreg (dqk_kernel, step `ncudqk`) at its barriers alone. Per region: warp instructions executed per (CTA x chunk) when --per N is given (N = CTAs x
 chunks, e.g. 8192 at B8 T4096 H16 D128), stall samples and the top stall reasons. --top lists the
 instructions with the most samples.
 """
