@@ -61,6 +61,45 @@ std::vector<BlockItem> blocks_longest_first(const std::vector<int64_t>& chunks, 
   return items;
 }
 
+// A lower bound of modeled_cost: each pass lasts at least its work over the slots and its longest
+// block. Cheap (no schedule), so candidates it rules out are not simulated.
+double cost_lower_bound(const std::vector<int64_t>& chunks, int64_t seg, int64_t whole, int64_t copies, int slots) {
+  double work2 = 0, longest2 = 0, work1 = 0, longest1 = 0;
+  for_each_block(chunks, seg, whole, [&](int64_t, int64_t m, int64_t len, int64_t segments) {
+    work2 += full_block_cost(len, m);
+    longest2 = std::max(longest2, full_block_cost(len, m));
+    if (m < segments - 1) {
+      work1 += local_block_cost(len);
+      longest1 = std::max(longest1, local_block_cost(len));
+    }
+  });
+  double bound = std::max(work2 * double(copies) / slots, longest2);
+  if (work1 > 0) bound += std::max(work1 * double(copies) / slots, longest1) + 1.0;
+  return bound;
+}
+
+// The modeled time of a split (chunk units): pass-2 makespan + pass-1 makespan + one chunk of
+// overhead for folding the earlier states. ordered: the full pass launches longest first
+// (order_blocks), heads innermost; else in the natural grid, per head tile every sequence's
+// max_seg blocks (those past its segments return at once).
+double modeled_cost(const std::vector<int64_t>& chunks, int64_t seg, int64_t whole, int64_t max_seg, int64_t copies,
+                    int slots, bool ordered) {
+  std::vector<double> pass2, pass1;
+  if (ordered) {
+    for (const BlockItem& b : blocks_longest_first(chunks, seg, whole)) pass2.insert(pass2.end(), size_t(copies), b.cost);
+  }
+  for (int64_t y = 0; y < copies; ++y) {
+    for_each_block(chunks, seg, whole, [&](int64_t, int64_t m, int64_t len, int64_t segments) {
+      if (!ordered) pass2.push_back(full_block_cost(len, m));
+      if (m < segments - 1) pass1.push_back(local_block_cost(len));
+      if (!ordered && m == segments - 1) pass2.insert(pass2.end(), size_t(max_seg - segments), 0.02);
+    });
+  }
+  double cost = simulate(pass2, slots);
+  if (!pass1.empty()) cost += simulate(pass1, slots) + 1.0;
+  return cost;
+}
+
 }  // namespace
 
 const KernelName& kernel_name(ForwardKernel kernel) {
@@ -173,9 +212,8 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
   plan.segment_chunks = std::max<int64_t>(1, max_chunks);
   plan.whole_chunks = 0;
   plan.max_segments = 1;
-  // Candidate splits (segment length, and the longest sequences that stay whole); cost = pass-2
-  // makespan + pass-1 makespan (state-only chunks cost about half) + one chunk of overhead per
-  // segment for folding the earlier states.
+  // Candidate splits (segment length, and the longest sequences that stay whole), each costed by
+  // modeled_cost; the first within 3% of the best stays.
   const int64_t blocks_at_8 = p.N * copies * std::max<int64_t>(1, max_chunks / 8);
   if (blocks_at_8 <= 400000 && max_chunks > 8) {
     // Uneven lengths: besides splitting every sequence, keep the sequences up to one of the two
@@ -197,47 +235,19 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
       const int64_t max_seg = (max_chunks + seg - 1) / seg;
       for (int64_t whole : wholes) {
         if (whole != 0 && whole <= seg) continue;  // every sequence up to seg chunks is whole anyway
-        // A lower bound of the cost first (each pass lasts at least its work over the slots and its
-        // longest block): a candidate it rules out is not simulated. Same choices, less host time
-        // (200 uneven sequences, H16: 1.66 ms of planning without it).
-        if (best >= 0) {
-          double work2 = 0, longest2 = 0, work1 = 0, longest1 = 0;
-          for_each_block(chunks, seg, whole, [&](int64_t, int64_t m, int64_t len, int64_t segments) {
-            work2 += full_block_cost(len, m);
-            longest2 = std::max(longest2, full_block_cost(len, m));
-            if (m < segments - 1) {
-              work1 += local_block_cost(len);
-              longest1 = std::max(longest1, local_block_cost(len));
-            }
-          });
-          double bound = std::max(work2 * double(copies) / slots, longest2);
-          if (work1 > 0) bound += std::max(work1 * double(copies) / slots, longest1) + 1.0;
-          if (bound >= best * 0.97) continue;
-        }
-        std::vector<double> pass2, pass1;
+        // The bound first: same choices, less host time (200 uneven sequences, H16: 1.66 ms of
+        // planning without it).
+        if (best >= 0 && cost_lower_bound(chunks, seg, whole, copies, slots) >= best * 0.97) continue;
         // The warp-specialised kernels launch the full pass longest first when the blocks fit the
-        // order table (order_blocks): model that order, heads innermost.
-        const std::vector<BlockItem> ordered = blocks_longest_first(chunks, seg, whole);
-        const bool use_order =
-            is_warp_specialised(plan.kernel) && p.N > 1 && ordered.size() <= size_t(detail::kMaxBlockOrder);
-        if (use_order) {
-          for (const BlockItem& b : ordered) pass2.insert(pass2.end(), size_t(copies), b.cost);
-        }
-        // Natural order: per head tile, every sequence's max_seg blocks (those past its segments
-        // return at once).
-        for (int64_t y = 0; y < copies; ++y) {
-          for_each_block(chunks, seg, whole, [&](int64_t, int64_t m, int64_t len, int64_t segments) {
-            if (!use_order) pass2.push_back(full_block_cost(len, m));
-            if (m < segments - 1) pass1.push_back(local_block_cost(len));
-            if (!use_order && m == segments - 1) pass2.insert(pass2.end(), size_t(max_seg - segments), 0.02);
-          });
-        }
-        double cost = simulate(pass2, slots);
-        if (!pass1.empty()) cost += simulate(pass1, slots) + 1.0;
+        // order table (order_blocks).
+        int64_t blocks = 0;
+        for (int64_t c : chunks) blocks += detail::sequence_segments(seg, whole, c);
+        const bool ordered = is_warp_specialised(plan.kernel) && p.N > 1 && blocks <= detail::kMaxBlockOrder;
+        const double cost = modeled_cost(chunks, seg, whole, max_seg, copies, slots, ordered);
         if (best < 0 || cost < best * 0.97) {
           best = cost;
           plan.segment_chunks = seg;
-          plan.whole_chunks = max_seg > 1 ? whole : 0;
+          plan.whole_chunks = whole;  // nonzero only above seg, so only where max_seg > 1
           plan.max_segments = max_seg;
         }
       }
