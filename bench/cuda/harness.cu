@@ -394,10 +394,14 @@ static int run_check() {
     c.K = 256; c.V = 512; add(c, "K256 V512");  // the key split, several chunks, a partial last one
     c.K = 200; c.V = 72; add(c, "K200 V72");
     c.K = 256; c.V = 128; c.gate_dtype = kF32; add(c, "K256 fp32 gate");
-    c.gate_dtype = -1; c.per_head = true; add(c, "K256 per-head gate");
-    c.per_head = false; c.randn = true; add(c, "K256 randn");
-    c.randn = false; c.norm = 0.1; c.gate_floor = -20; add(c, "K256 strong decay g=-20");
+    // V = 512: four value tiles, so the halves copy prepared inputs (ForwardPlan::prepared)
+    c.V = 512; c.gate_dtype = -1; c.per_head = true; add(c, "K256 V512 per-head gate");
+    c.per_head = false; c.randn = true; add(c, "K256 V512 randn");
+    c.randn = false; c.norm = 0.1; c.gate_floor = -20; add(c, "K256 V512 strong decay g=-20");
     c.norm = 1; c.gate_floor = 0;
+    c.K = 200; c.V = 480; c.v_first = true; add(c, "K200 V480 v_first");
+    c.v_first = false; c.B = 1; c.T = 4000; c.H = 1; add(c, "K200 V480 1x4000x1 (split)");
+    c.B = 2; c.T = 300; c.H = 2; c.V = 128;
     c.K = 128; c.V = 128; c.gate_dtype = kF32; add(c, "fp32 gate");
     c.gate_dtype = -1; c.per_head = true; add(c, "per-head gate");
     c.gate_dtype = kF32; add(c, "per-head fp32 gate");
@@ -414,6 +418,8 @@ static int run_check() {
     c.K = c.V = 64; add(c, "varlen 5 seqs K64");
     c.K = c.V = 100; add(c, "varlen 5 seqs K100");
     c.K = c.V = 256; add(c, "varlen 5 seqs K256");
+    c.V = 512; add(c, "varlen 5 seqs K256 V512");
+    c.V = 256;
     c.K = c.V = 128; c.T = 9000; c.cu = {0, 1, 4500, 4500, 4501, 9000}; add(c, "varlen long + 1 + empty");
     // Many heads, one long sequence: the plan keeps the others whole (ForwardPlan::whole_chunks 24,
     // the long one in segments of 8 on 132 SMs).

@@ -152,6 +152,9 @@ TEST(CudaPlan, WideKeysRunAsTwoHalves) {
       {{.K = 129, .V = 64, .vector_loads = 0}, ForwardKernel::kChunk},          // unaligned: single-role halves
       {{.K = 256, .V = 256, .gate_dtype = cuda::kF32}, ForwardKernel::kChunk},  // fp32 per-key gate
       {{.B = 1, .T = 32768, .H = 16, .K = 256, .V = 256}, ForwardKernel::kChunkWs},  // long: segments too
+      {{.K = 256, .V = 512}, ForwardKernel::kChunkWs},                               // prepared inputs
+      {{.K = 200, .V = 500, .per_head = 1}, ForwardKernel::kChunkWs},
+      {{.B = 1, .T = 32768, .H = 4, .K = 256, .V = 512}, ForwardKernel::kChunkWs},   // prepared, segments
   };
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
@@ -174,9 +177,21 @@ TEST(CudaPlan, WideKeysRunAsTwoHalves) {
       EXPECT_GE(plan.intra_offset, plan.partial_offset + size_t(r.s.B * r.s.T * r.s.H * r.s.V) * 2);
     }
     EXPECT_EQ(plan.intra_offset % 256, 0u);
-    EXPECT_EQ(plan.workspace_bytes, plan.intra_offset + size_t(r.s.B * r.s.T * r.s.H * 64) * 2);
+    const size_t intra_end = plan.intra_offset + size_t(r.s.B * r.s.T * r.s.H * 64) * 2;
+    // Prepared inputs where four or more value tiles would each redo the element-wise work.
+    EXPECT_EQ(plan.prepared, plan.key_split == 2 && plan.value_tiles >= 4);
+    if (plan.prepared) {
+      EXPECT_EQ(plan.prepared_offset % 256, 0u);
+      EXPECT_GE(plan.prepared_offset, intra_end);
+      const size_t inputs = (size_t(r.s.B * r.s.T * r.s.H * r.s.K) * 4 + 255) / 256 * 256;
+      const size_t decays = size_t(cuda::prepared_chunk_slots(r.s.B, r.s.T, 1)) * r.s.H * r.s.K * 8;
+      EXPECT_EQ(plan.workspace_bytes, plan.prepared_offset + inputs + decays);
+    } else {
+      EXPECT_EQ(plan.workspace_bytes, intra_end);
+    }
   }
   EXPECT_GT(plan_for(rows.back().s).max_segments, 1);
+  EXPECT_GT(plan_for(rows[rows.size() - 4].s).max_segments, 1);
   EXPECT_EQ(plan_for({}).key_split, 0);
 }
 

@@ -78,7 +78,30 @@ struct ForwardParams {
   // A of every chunk over all keys (launch_intra_matrix): row (b * T + t) * H + h holds A[t, 0..63]
   // of t's chunk (t counted from the sequence's first token), 16-bit, zero above the diagonal.
   const uint16_t* intra;
+  // 1: the key split's prepared inputs (ForwardPlan::prepared). q and k point at qg = q 2^{b} and
+  // kg = k 2^{b_last - b} (PreparedInputs, written by the intra kernel), the gate is not read, and
+  // chunk_decay[(slot * H + h) * chunk_decay_stride + key] holds 2^{b_last} of the chunk in that
+  // slot (prepared_chunk_slot), chunk_decay_log2 b_last: the warp-specialised kernel copies them
+  // into its slots instead of forming them.
+  int32_t prepared;
+  const float* chunk_decay;
+  const float* chunk_decay_log2;
+  int64_t chunk_decay_stride;
 };
+
+// What the intra kernel writes besides A for a prepared key split (null qg: nothing): qg and kg
+// in the layout of q ([B * T, H, K] 16-bit, rows counted like ForwardParams::intra's), the chunks'
+// decay 2^{b_last} and b_last ([prepared_chunk_slots, H, K] fp32).
+struct PreparedInputs {
+  uint16_t* qg;
+  uint16_t* kg;
+  float* decay;
+  float* decay_log2;
+};
+// Slots of the prepared decays: chunk c of sequence n has slot n * ceil(T / 64) + c, or with varlen
+// floor(bos_n / 64) + n + c (distinct for every chunk: a sequence of len tokens starts the next at
+// bos_n + len, and floor((bos + len) / 64) + 1 >= floor(bos / 64) + ceil(len / 64)).
+constexpr int64_t prepared_chunk_slots(int64_t B, int64_t T, int64_t N) { return B * ((T + 63) / 64) + N + 1; }
 
 // The kernel a plan runs. One name table (kernel_name, plan.cpp) serves the backend's plan note
 // and the harness.
@@ -122,6 +145,11 @@ struct ForwardPlan {
   int32_t key_split = 0;
   size_t partial_offset = 0;
   size_t intra_offset = 0;
+  // key_split 2: the intra kernel also forms qg, kg and the chunk decays (PreparedInputs, at
+  // prepared_offset in the workspace) and both halves copy them instead of forming them: the
+  // element-wise work runs once per chunk instead of once per (key half, value tile).
+  int32_t prepared = 0;
+  size_t prepared_offset = 0;
   // Full-pass blocks of the warp-specialised kernels longest first (n * max_segments + m each;
   // 0 = natural order): uneven sequences otherwise leave their longest segments for last.
   int32_t block_order_count = 0;
@@ -159,8 +187,10 @@ cudaError_t launch_recurrent_forward(const ForwardParams& p, int64_t max_len, cu
 
 namespace detail {
 // A over all keys of every chunk of sequences up to max_chunks chunks long into `intra`
-// (ForwardParams::intra's layout, B*T*H*64 16-bit values); chunk_forward_intra.cu.
-cudaError_t launch_intra_matrix(const ForwardParams& p, int64_t max_chunks, uint16_t* intra, cudaStream_t stream);
+// (ForwardParams::intra's layout, B*T*H*64 16-bit values), and the prepared inputs when
+// prepared.qg is not null; chunk_forward_intra.cu.
+cudaError_t launch_intra_matrix(const ForwardParams& p, int64_t max_chunks, uint16_t* intra,
+                                const PreparedInputs& prepared, cudaStream_t stream);
 }  // namespace detail
 
 }  // namespace gla::cuda

@@ -5,6 +5,14 @@
 namespace gla::cuda::detail {
 
 cudaError_t run_chunk_d128(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
+  if (plan.kernel == ForwardKernel::kChunkWs && p.prepared && p.key_half == 1) {
+    if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, 1, 1>(p, plan, workspace, stream);
+    return run_chunk_ws<128, __half, 16, 1, 1>(p, plan, workspace, stream);
+  }
+  if (plan.kernel == ForwardKernel::kChunkWs && p.prepared && p.key_half == 2) {
+    if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, 2, 1>(p, plan, workspace, stream);
+    return run_chunk_ws<128, __half, 16, 2, 1>(p, plan, workspace, stream);
+  }
   if (plan.kernel == ForwardKernel::kChunkWs && p.key_half == 1) {
     if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, 1>(p, plan, workspace, stream);
     return run_chunk_ws<128, __half, 16, 1>(p, plan, workspace, stream);

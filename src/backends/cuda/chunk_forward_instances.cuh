@@ -47,16 +47,20 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
 // The warp-specialised kernel (both passes of a segment split). RS: rows per element-wise item
 // (16, or 8 with two prep threads per item). KEYHALF: the full pass's part in a key split
 // (ForwardParams::key_half; the segments' local-state pass is the same for every part).
-template <int DK, typename E, int RS = 16, int KEYHALF = 0>
+// PREP: the prepared key split's instances (ForwardParams::prepared).
+template <int DK, typename E, int RS = 16, int KEYHALF = 0, int PREP = 0>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
   const bool per_head = p.gate_per_head != 0;
   const int smem_bytes = ws_smem_layout(DK, per_head, 16 / RS).total;
-  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF>;
-  auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1>;  // pass 1 of a segment split
+  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF, PREP>;
+  // pass 1 of a segment split (the same for both key halves)
+  auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1, PREP ? 1 : 0, PREP>;
   {
-    cudaError_t err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF>>(smem_bytes);
-    if (err == cudaSuccess) err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 1>>(smem_bytes);
+    cudaError_t err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF, PREP>>(smem_bytes);
+    if (err == cudaSuccess) {
+      err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 1, PREP ? 1 : 0, PREP>>(smem_bytes);
+    }
     if (err != cudaSuccess) return err;
   }
   SegmentArgs sa{};

@@ -28,7 +28,8 @@ constexpr int kSlice = kIntraSliceKeys;
 
 template <typename E, int STAGES>
 __global__ void __launch_bounds__(kIntraThreads, STAGES == 1 ? 3 : 2)
-chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict__ intra, int64_t max_chunks) {
+chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict__ intra, int64_t max_chunks,
+                   const PreparedInputs prepared) {
   using X = Elem<E>;
   constexpr int NT = kIntraThreads;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -170,6 +171,27 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
 
     // ---- phase 2: the off-diagonal blocks from qloc/kloc, the diagonal blocks from raw q, k ----
     if (warp < 6) offdiag_accumulate<kSlice, X>(oacc, qloc, kloc, L.pq, tot, bi, bj, lane);
+    float* factors = reinterpret_cast<float*>(smem + L.factors);
+    if (prepared.qg != nullptr) {
+      // This (key, sub-chunk)'s factors 2^{earlier sub-chunks' totals} and 2^{later ones'}; the
+      // first sub-chunk's thread writes the chunk's decay b_last and 2^{b_last}.
+      float pre = 0.f, post = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float tj = tot[j * kSlice + ecol];
+        if (j < esub) pre += tj;
+        if (j > esub) post += tj;
+      }
+      factors[esub * kSlice + ecol] = fast_exp2(pre);
+      factors[(4 + esub) * kSlice + ecol] = fast_exp2(post);
+      const int key = sl * kSlice + ecol;
+      if (esub == 0 && key < p.K) {
+        const float total = pre + post + tot[ecol];
+        const int64_t at = (prepared_chunk_slot(p, seq, n, c) * p.H + h) * p.K + key;
+        prepared.decay[at] = fast_exp2(total);
+        prepared.decay_log2[at] = total;
+      }
+    }
     {
       // kf: k_s times the running product of the factors (one multiply per key and row, and the
       // product with q_t is the FMA itself).
@@ -201,6 +223,29 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
           sum = fmaf(qq.y, kf[j + 1], sum);
         }
         dacc[i] += sum;
+      }
+    }
+    if (prepared.qg != nullptr) {
+      // qg = qloc 2^{pre}, kg = kloc 2^{post} (the warp-specialised kernel's two roundings), row by
+      // row in 16-byte pieces: qg and kg have q's layout, with rows counted like `intra`'s.
+      __syncthreads();  // the factors are written
+      const int64_t row0 = (seq.batch * p.T + seq.bos + c * kChunk) * p.H + h;
+      for (int i = tid; i < 2 * kChunk * (kSlice / 8); i += NT) {
+        const bool is_k = i >= kChunk * (kSlice / 8);
+        const int piece = is_k ? i - kChunk * (kSlice / 8) : i;
+        const int r = piece / (kSlice / 8), col = (piece % (kSlice / 8)) * 8, key = sl * kSlice + col;
+        if (r < lo || r >= rows || key >= p.K) continue;
+        const uint4 x = *reinterpret_cast<const uint4*>((is_k ? kloc : qloc) + r * L.pq + col);
+        const float* f = factors + ((is_k ? 4 : 0) + (r >> 4)) * kSlice + col;
+        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+        uint32_t o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 v = X::to_float2(w[j]);
+          o[j] = X::pack(v.x * f[2 * j], v.y * f[2 * j + 1]);
+        }
+        uint16_t* dst = (is_k ? prepared.kg : prepared.qg) + (row0 + int64_t(r) * p.H) * p.K + key;
+        *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
       }
     }
     if (STAGES == 1 && sl + 1 < slices) {
@@ -241,26 +286,29 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
 }
 
 template <typename E, int STAGES>
-cudaError_t run_intra(const ForwardParams& p, int64_t max_chunks, uint16_t* intra, cudaStream_t stream) {
+cudaError_t run_intra(const ForwardParams& p, int64_t max_chunks, uint16_t* intra, const PreparedInputs& prepared,
+                      cudaStream_t stream) {
   const IntraSmem L = intra_smem_layout(STAGES, p.gate_dtype == kF32 ? 4 : 2);
   if (const cudaError_t err = allow_dynamic_shared_memory<chunk_intra_kernel<E, STAGES>>(L.total); err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.N * max_chunks), static_cast<unsigned>(p.H));
-  chunk_intra_kernel<E, STAGES><<<grid, kIntraThreads, L.total, stream>>>(p, intra, max_chunks);
+  chunk_intra_kernel<E, STAGES><<<grid, kIntraThreads, L.total, stream>>>(p, intra, max_chunks, prepared);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t launch_intra_matrix(const ForwardParams& p, int64_t max_chunks, uint16_t* intra, cudaStream_t stream) {
+cudaError_t launch_intra_matrix(const ForwardParams& p, int64_t max_chunks, uint16_t* intra,
+                                const PreparedInputs& prepared, cudaStream_t stream) {
   if (p.N == 0 || p.H == 0 || max_chunks == 0) return cudaSuccess;
   // One stage for a 16-bit gate: three CTAs per SM (B8 T4096 H16 K = V = 256 forward 1.885 ms with two
   // stages and two CTAs per SM, 1.838 ms; B8 T2048 H4 K256 V512 0.411 both, H200 harness).
   const bool one_stage = p.gate_dtype != kF32;
   if (p.dtype == kBF16) {
-    return one_stage ? run_intra<__nv_bfloat16, 1>(p, max_chunks, intra, stream)
-                     : run_intra<__nv_bfloat16, 2>(p, max_chunks, intra, stream);
+    return one_stage ? run_intra<__nv_bfloat16, 1>(p, max_chunks, intra, prepared, stream)
+                     : run_intra<__nv_bfloat16, 2>(p, max_chunks, intra, prepared, stream);
   }
-  return one_stage ? run_intra<__half, 1>(p, max_chunks, intra, stream) : run_intra<__half, 2>(p, max_chunks, intra, stream);
+  return one_stage ? run_intra<__half, 1>(p, max_chunks, intra, prepared, stream)
+                   : run_intra<__half, 2>(p, max_chunks, intra, prepared, stream);
 }
 
 }  // namespace gla::cuda::detail

@@ -53,6 +53,12 @@ __device__ __forceinline__ void mbar_init(void* b, int count) {
 __device__ __forceinline__ void mbar_arrive(void* b) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(b)) : "memory");
 }
+// The arrival of every cp.async this thread issued before, once they have landed; the pending count
+// goes up by one first (no .noinc), so the thread still arrives itself: the phase completes when
+// every thread has arrived and every tracked copy has landed.
+__device__ __forceinline__ void mbar_track_copies(void* b) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(smem_addr(b)) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(void* b, uint32_t parity) {
 #if __CUDA_ARCH__ >= 900
   asm volatile(
@@ -145,6 +151,61 @@ __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t*
 #endif
 }
 
+// The prep group of a prepared key split (ForwardParams::prepared): per chunk, once the slot is free,
+// cp.async of qg, kg (rows as issue_loads copies them), the second half's A rows and the chunk decay
+// 2^{b_last} into the slot; READY completes when every prep thread has arrived and its copies have
+// landed. Pass 1 of a segment split (FULL false) sums the segment's log2 decay per key.
+template <int DK, int NP, bool FULL, int KEYHALF>
+__device__ __forceinline__ void copy_prepared(const ForwardParams& p, const SegmentArgs& sa, const WsSmem& L,
+                                              unsigned char* smem, unsigned char* mbars, const SeqSpan& seq, int64_t n,
+                                              int64_t h, int64_t c_begin, int64_t c_end, int64_t seg_index, int vt,
+                                              int tid) {
+  constexpr int CPR = DK / 8, kRowStep = NP / CPR, kLoadIters = kChunk / kRowStep;
+  static_assert(NP % CPR == 0 && kChunk % kRowStep == 0 && kChunk * 8 % NP == 0 && DK / 4 <= NP, "copy tiling");
+  const int lc = tid % CPR, lr0 = tid / CPR;
+  const bool col_ok = lc * 8 < p.K;
+  const int64_t esz = 2;
+  const int64_t q_rs = p.q_stride[1] * esz, k_rs = p.k_stride[1] * esz;
+  const char* q_seq = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + seq.bos * p.q_stride[1] + h * p.q_stride[2] + lc * 8) * esz;
+  const char* k_seq = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + seq.bos * p.k_stride[1] + h * p.k_stride[2] + lc * 8) * esz;
+  float dsum = 0.f;  // pass 1: the segment's log2 decay of key tid
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    const int slot = static_cast<int>(c & 1);
+    if (c >= c_begin + 2) mbar_wait(mbars + 16 + 8 * slot, static_cast<uint32_t>(((c - 2 - c_begin) >> 1) & 1));
+    const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk)), lo = seq.first_row(c);
+    const char* qr = q_seq + (c * kChunk + lr0) * q_rs;
+    const char* kr = k_seq + (c * kChunk + lr0) * k_rs;
+#pragma unroll
+    for (int j = 0; j < kLoadIters; ++j) {
+      const int r = lr0 + j * kRowStep;
+      const bool ok = col_ok && r < rows && r >= lo;
+      const int so = (r * L.pq + lc * 8) * 2;
+      if (FULL) cp_async16(smem + L.qw(slot) + so, ok ? qr : p.q, ok);
+      cp_async16(smem + L.kw(slot) + so, ok ? kr : p.k, ok);
+      qr += kRowStep * q_rs;
+      kr += kRowStep * k_rs;
+    }
+    if constexpr (FULL && KEYHALF == 2) {
+      const uint16_t* src = p.intra + ((seq.batch * p.T + seq.bos + c * kChunk) * p.H + h) * kChunk;
+#pragma unroll
+      for (int j = 0; j < kChunk * 8 / NP; ++j) {
+        const int i = tid + j * NP, r = i >> 3;
+        const bool ok = r < rows && r >= lo;
+        cp_async16(smem + L.a(slot) + (r * L.pa + (i & 7) * 8) * 2, ok ? src + int64_t(r) * p.H * kChunk + (i & 7) * 8 : p.intra, ok);
+      }
+    }
+    const int64_t decay_at = (prepared_chunk_slot(p, seq, n, c) * p.H + h) * p.chunk_decay_stride;
+    if (tid < DK / 4) {
+      const bool ok = tid * 4 < p.K;
+      cp_async16(smem + L.dfac(slot) + tid * 16, ok ? p.chunk_decay + decay_at + tid * 4 : p.chunk_decay, ok);
+    }
+    mbar_track_copies(mbars + 8 * slot);
+    if (!FULL && tid < DK && tid < p.K) dsum += p.chunk_decay_log2[decay_at + tid];
+    mbar_arrive(mbars + 8 * slot);
+  }
+  if (!FULL && vt == 0 && tid < DK) sa.seg_decay[seg_index * DK + tid] = dsum;
+}
+
 // RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk). 8 (split
 // items, DK = 64): two prep threads per item, each with 8 rows, exchanging their row totals through
 // shared memory; twice the prep warps for the same work, to cut the prep group's serial latency,
@@ -154,7 +215,9 @@ __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t*
 // KEYHALF (ForwardParams::key_half): 0 the whole K; 1 the key split's first half, o = q S of its
 // keys (no A: the slots' A stays zero); 2 the second half, A over all keys read from p.intra in
 // place of the A phase, and o added into what o holds as it is stored.
-template <int DK, typename E, int RS = 16, int LOCAL = 0, int KEYHALF = 0>
+// PREP (ForwardParams::prepared, key split only): the prep group copies the prepared qg, kg, A and
+// decay (copy_prepared) instead of forming them.
+template <int DK, typename E, int RS = 16, int LOCAL = 0, int KEYHALF = 0, int PREP = 0>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -232,372 +295,377 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (NT == 512) asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::);
 #endif
-    uint16_t* qs = reinterpret_cast<uint16_t*>(smem + L.q);
-    const uint16_t* ks = reinterpret_cast<const uint16_t*>(smem + L.k);
-    const unsigned char* gs = smem + L.g;
-    float* tot = reinterpret_cast<float*>(smem + L.tot);
-    float* dpart = reinterpret_cast<float*>(smem + L.dpart);
-    // Item: column pair cp, sub-chunk sub, half hf (rows row0 .. row0 + RS - 1 of the sub-chunk).
-    const int cp = tid % (DK / 2), q2 = tid / (DK / 2), k0 = cp * 2;
-    const int sub = q2 / HALVES, hf = q2 % HALVES, row0 = hf * RS;
-    float* htot = reinterpret_cast<float*>(smem + L.htot);
+    if constexpr (PREP != 0) {
+      static_assert(KEYHALF != 0, "prepared inputs: key split only");
+      copy_prepared<DK, NP, full, KEYHALF>(p, sa, L, smem, mbars, seq, n, h, c_begin, c_end, seg_index, vt, tid);
+    } else {
+      uint16_t* qs = reinterpret_cast<uint16_t*>(smem + L.q);
+      const uint16_t* ks = reinterpret_cast<const uint16_t*>(smem + L.k);
+      const unsigned char* gs = smem + L.g;
+      float* tot = reinterpret_cast<float*>(smem + L.tot);
+      float* dpart = reinterpret_cast<float*>(smem + L.dpart);
+      // Item: column pair cp, sub-chunk sub, half hf (rows row0 .. row0 + RS - 1 of the sub-chunk).
+      const int cp = tid % (DK / 2), q2 = tid / (DK / 2), k0 = cp * 2;
+      const int sub = q2 / HALVES, hf = q2 % HALVES, row0 = hf * RS;
+      float* htot = reinterpret_cast<float*>(smem + L.htot);
 
-    // Loads: each thread always copies the same 16-byte column group lc of rows lr0 + j kRowStep,
-    // so its addresses are set up once here and only advance by a chunk of rows per call (the
-    // per-element index arithmetic was ~13% of the prep group's instructions).
-    constexpr int CPR = DK / 8, kRowStep = NP / CPR, kLoadIters = kChunk / kRowStep;
-    static_assert(NP % CPR == 0 && kChunk % kRowStep == 0, "load tiling");
-    const int lc = tid % CPR, lr0 = tid / CPR;
-    const bool col_ok = lc * 8 < p.K;
-    const int64_t q_rs = p.q_stride[1] * esz, k_rs = p.k_stride[1] * esz, g_rs = p.g_stride[1] * gate_bytes;
-    const char* q_seq = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + seq.bos * p.q_stride[1] + h * p.q_stride[2] + lc * 8) * esz;
-    const char* k_seq = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + seq.bos * p.k_stride[1] + h * p.k_stride[2] + lc * 8) * esz;
-    // ForwardParams::gate_lag: token t's gate is row t - 1, the sequence's first token's is 0.
-    const int lag = p.gate_lag;
-    const char* g_seq = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + (seq.bos - lag) * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
-    auto issue_loads = [&](int64_t chunk) {
-      const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk)), lo = seq.first_row(chunk);
-      const int64_t r0 = chunk * kChunk + lr0;
-      // Row pointers advance by kRowStep rows per copy: one 64-bit add each (written as
-      // base + j * step, every copy cost a 64-bit multiply).
-      const char* qr = q_seq + r0 * q_rs;
-      const char* kr = k_seq + r0 * k_rs;
-      const char* gr = g_seq + r0 * g_rs + lc * 16;
-      const int64_t q_step = kRowStep * q_rs, k_step = kRowStep * k_rs, g_step = kRowStep * g_rs;
-#pragma unroll
-      for (int j = 0; j < kLoadIters; ++j) {
-        const int r = lr0 + j * kRowStep;
-        const bool ok = col_ok && r < rows && r >= lo;
-        const bool gate_ok = ok && !(lag && chunk == 0 && r == lo);
-        const int so = (r * L.pr + lc * 8) * 2;
-        if (full) cp_async16(smem + L.q + so, ok ? qr : p.q, ok);
-        cp_async16(smem + L.k + so, ok ? kr : p.k, ok);
-        if (!per_head) cp_async16(smem + L.g + so, gate_ok ? gr : p.g, gate_ok);
-        qr += q_step;
-        kr += k_step;
-        gr += g_step;
-      }
-      const char* gb = g_seq + chunk * kChunk * g_rs;
-      unsigned char* gst = smem + L.g;
-      if (per_head) {
-        for (int r = tid; r < kChunk; r += NP) {
-          const bool ok = r < rows && r >= lo && !(lag && chunk == 0 && r == lo);
-          if (gate_bytes == 4) {
-            reinterpret_cast<float*>(gst)[r] = ok ? *reinterpret_cast<const float*>(gb + r * g_rs) : 0.f;
-          } else {
-            reinterpret_cast<uint16_t*>(gst)[r] = ok ? *reinterpret_cast<const uint16_t*>(gb + r * g_rs) : uint16_t(0);
+      // Loads: each thread always copies the same 16-byte column group lc of rows lr0 + j kRowStep,
+      // so its addresses are set up once here and only advance by a chunk of rows per call (the
+      // per-element index arithmetic was ~13% of the prep group's instructions).
+      constexpr int CPR = DK / 8, kRowStep = NP / CPR, kLoadIters = kChunk / kRowStep;
+      static_assert(NP % CPR == 0 && kChunk % kRowStep == 0, "load tiling");
+      const int lc = tid % CPR, lr0 = tid / CPR;
+      const bool col_ok = lc * 8 < p.K;
+      const int64_t q_rs = p.q_stride[1] * esz, k_rs = p.k_stride[1] * esz, g_rs = p.g_stride[1] * gate_bytes;
+      const char* q_seq = static_cast<const char*>(p.q) + (seq.batch * p.q_stride[0] + seq.bos * p.q_stride[1] + h * p.q_stride[2] + lc * 8) * esz;
+      const char* k_seq = static_cast<const char*>(p.k) + (seq.batch * p.k_stride[0] + seq.bos * p.k_stride[1] + h * p.k_stride[2] + lc * 8) * esz;
+      // ForwardParams::gate_lag: token t's gate is row t - 1, the sequence's first token's is 0.
+      const int lag = p.gate_lag;
+      const char* g_seq = static_cast<const char*>(p.g) + (seq.batch * p.g_stride[0] + (seq.bos - lag) * p.g_stride[1] + h * p.g_stride[2]) * gate_bytes;
+      auto issue_loads = [&](int64_t chunk) {
+        const int rows = static_cast<int>(gla_min64(kChunk, seq.len - chunk * kChunk)), lo = seq.first_row(chunk);
+        const int64_t r0 = chunk * kChunk + lr0;
+        // Row pointers advance by kRowStep rows per copy: one 64-bit add each (written as
+        // base + j * step, every copy cost a 64-bit multiply).
+        const char* qr = q_seq + r0 * q_rs;
+        const char* kr = k_seq + r0 * k_rs;
+        const char* gr = g_seq + r0 * g_rs + lc * 16;
+        const int64_t q_step = kRowStep * q_rs, k_step = kRowStep * k_rs, g_step = kRowStep * g_rs;
+  #pragma unroll
+        for (int j = 0; j < kLoadIters; ++j) {
+          const int r = lr0 + j * kRowStep;
+          const bool ok = col_ok && r < rows && r >= lo;
+          const bool gate_ok = ok && !(lag && chunk == 0 && r == lo);
+          const int so = (r * L.pr + lc * 8) * 2;
+          if (full) cp_async16(smem + L.q + so, ok ? qr : p.q, ok);
+          cp_async16(smem + L.k + so, ok ? kr : p.k, ok);
+          if (!per_head) cp_async16(smem + L.g + so, gate_ok ? gr : p.g, gate_ok);
+          qr += q_step;
+          kr += k_step;
+          gr += g_step;
+        }
+        const char* gb = g_seq + chunk * kChunk * g_rs;
+        unsigned char* gst = smem + L.g;
+        if (per_head) {
+          for (int r = tid; r < kChunk; r += NP) {
+            const bool ok = r < rows && r >= lo && !(lag && chunk == 0 && r == lo);
+            if (gate_bytes == 4) {
+              reinterpret_cast<float*>(gst)[r] = ok ? *reinterpret_cast<const float*>(gb + r * g_rs) : 0.f;
+            } else {
+              reinterpret_cast<uint16_t*>(gst)[r] = ok ? *reinterpret_cast<const uint16_t*>(gb + r * g_rs) : uint16_t(0);
+            }
           }
         }
-      }
-      cp_async_commit();
-    };
-
-    float dsum0 = 0.f, dsum1 = 0.f;  // pass 1: the segment's total log2 decay (columns k0, k0 + 1)
-    if (c_begin < c_end) issue_loads(c_begin);
-    for (int64_t c = c_begin; c < c_end; ++c) {
-      const int slot = static_cast<int>(c & 1);
-      uint16_t* qw = reinterpret_cast<uint16_t*>(smem + L.qw(slot));
-      uint16_t* kw = reinterpret_cast<uint16_t*>(smem + L.kw(slot));
-      uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a(slot));
-      float* dfac = reinterpret_cast<float*>(smem + L.dfac(slot));
-      cp_async_wait_all();
-      named_sync(kBarPrep, NP);  // raw stage complete; the last chunk's tot/dpart readers are done
-
-      // ---- element-wise, read phase: raw q, k, g -> registers ----
-      uint32_t qv[RS], kv[RS];
-      float e0[RS], e1[RS];
-      float a0 = 0.f, a1 = 0.f;
-#pragma unroll
-      for (int r = 0; r < RS; ++r) {
-        const int t = sub * 16 + row0 + r;
-        float g0, g1;
-        gate_pair_log2<X, false>(gs, t, k0, L.pr, per_head, gate_bytes, g0, g1);
-        a0 += g0;
-        a1 += g1;
-        e0[r] = fast_exp2(g0);
-        e1[r] = fast_exp2(g1);
-        qv[r] = full ? *reinterpret_cast<const uint32_t*>(qs + t * L.pr + k0) : 0u;
-        kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pr + k0);
-      }
-      if constexpr (HALVES == 1) {
-        tot[sub * DK + k0] = a0;
-        tot[sub * DK + k0 + 1] = a1;
-      } else {
-        htot[q2 * DK + k0] = a0;
-        htot[q2 * DK + k0 + 1] = a1;
-      }
-      // Partials over this column pair: q_t . k_t (diagonal) and q_{2i+1} e_{2i+1} . k_{2i} (the
-      // h = 1 level: pivot at row 2i, so the query factor is e_{2i+1} <= 1 and the key factor 1).
-      float dg[RS], pr[RS / 2];
-#pragma unroll
-      for (int r = 0; r < RS; ++r) {
-        const float2 q = X::to_float2(qv[r]), k = X::to_float2(kv[r]);
-        dg[r] = q.x * k.x + q.y * k.y;
-      }
-#pragma unroll
-      for (int i = 0; i < RS / 2; ++i) {
-        const float2 q = X::to_float2(qv[2 * i + 1]), k = X::to_float2(kv[2 * i]);
-        pr[i] = q.x * e0[2 * i + 1] * k.x + q.y * e1[2 * i + 1] * k.y;
-      }
-      // Reduce dg (RS rows) and pr (RS/2 pairs) over the warp: half-exchange, then butterflies;
-      // dpart per warp (stride DPS): RS row sums, then RS/2 pair sums. At RS = 16 this runs before
-      // the write phase, so that dg and pr are dead while that phase holds q, k and the factors (the
-      // prep group spilled 148 B there; dpart's readers of the last chunk passed the first barrier).
-      // At RS < 16 nothing spills and running it first only delays the next chunk's loads (B4 T8192
-      // H32 D64: 0.365 -> 0.375 ms on the H200), so it stays after the write phase.
-      auto reduce_partials = [&]() {
-        constexpr int HV = RS / 2, HP = RS / 4;
-        const bool upper = (lane & 16) != 0;
-        float hv[HV], hp[HP];
-#pragma unroll
-        for (int i = 0; i < HV; ++i) {
-          const float send = upper ? dg[i] : dg[i + HV];
-          const float keep = upper ? dg[i + HV] : dg[i];
-          hv[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-        }
-#pragma unroll
-        for (int i = 0; i < HP; ++i) {
-          const float send = upper ? pr[i] : pr[i + HP];
-          const float keep = upper ? pr[i + HP] : pr[i];
-          hp[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-        }
-#pragma unroll
-        for (int o = 8; o >= 1; o >>= 1) {
-#pragma unroll
-          for (int i = 0; i < HV; ++i) hv[i] += __shfl_xor_sync(0xffffffffu, hv[i], o);
-#pragma unroll
-          for (int i = 0; i < HP; ++i) hp[i] += __shfl_xor_sync(0xffffffffu, hp[i], o);
-        }
-        if ((lane & 15) == 0) {
-#pragma unroll
-          for (int i = 0; i < HV; ++i) dpart[warp * DPS + (upper ? HV : 0) + i] = hv[i];
-#pragma unroll
-          for (int i = 0; i < HP; ++i) dpart[warp * DPS + RS + (upper ? HP : 0) + i] = hp[i];
-        }
+        cp_async_commit();
       };
-      if constexpr (RS == 16) {
-        if (own_a) reduce_partials();
-      }
-      named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
-      if (c + 1 < c_end) issue_loads(c + 1);
-      // The second key half's A rows of this chunk into registers now, stored into the slot once
-      // it is free (the loads land during the write phase). Rows past the sequence are zero.
-      constexpr int kIntraPieces = KEYHALF == 2 ? kChunk * 8 / NP : 1;  // 16-byte pieces per thread
-      uint4 intra_rows[kIntraPieces];
-      if constexpr (KEYHALF == 2) {
-        const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk)), lo = seq.first_row(c);
-        const uint16_t* src = p.intra + ((seq.batch * p.T + seq.bos + c * kChunk) * p.H + h) * kChunk;
-#pragma unroll
-        for (int j = 0; j < kIntraPieces; ++j) {
-          const int i = tid + j * NP, r = i >> 3;
-          intra_rows[j] = r < rows && r >= lo ? *reinterpret_cast<const uint4*>(src + int64_t(r) * p.H * kChunk + (i & 7) * 8)
-                                   : make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-      // The far off-diagonal blocks' factors 2^{Tot_1}, 2^{Tot_2}, 2^{Tot_1 + Tot_2} for this
-      // thread's two columns, once per chunk (the A phase read them per k-step as exp2 of sums,
-      // which made the far blocks the slowest A tasks). Sub-chunk totals in exactly the
-      // expressions that tot[] gets, so the factors are bitwise those of the per-k-step form. The
-      // last chunk's A phase read the table before the barrier that preceded this chunk's loads.
-      if constexpr (kFarTable) {
-        if (own_a && hf == 0 && (sub == 1 || sub == 2)) {
-          float* ofac = reinterpret_cast<float*>(smem + L.ofac);
-          auto sub_total = [&](int s, int col) {
-            if constexpr (HALVES == 1) {
-              return tot[s * DK + col];
-            } else {
-              float t = htot[(s * HALVES) * DK + col];
-#pragma unroll
-              for (int i = 1; i < HALVES; ++i) t += htot[(s * HALVES + i) * DK + col];
-              return t;
-            }
-          };
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float t1 = sub_total(1, k0 + e);
-            if (sub == 1) {
-              ofac[k0 + e] = fast_exp2(t1);
-            } else {
-              const float t2 = sub_total(2, k0 + e);
-              ofac[DK + k0 + e] = fast_exp2(t2);
-              ofac[2 * DK + k0 + e] = fast_exp2(t1 + t2);
-            }
-          }
-        }
-      }
-      // The slot was last used by chunk c-2: wait until the state group is done with it.
-      if (c >= c_begin + 2) {
-        mbar_wait(mbars + 16 + 8 * slot, static_cast<uint32_t>(((c - 2 - c_begin) >> 1) & 1));
-      }
 
-      // ---- element-wise, write phase: qloc, kloc, level copies; reductions ----
-      {
-        // qloc_t = q_t 2^{c_t} (c from the sub-chunk start), kloc_t = k_t 2^{Tot - c_t}. A second
-        // half starts its query product at 2^{total of the first half}; a first half starts its key
-        // product at 2^{total of the second half}. Exponents <= 0.
-        float fq0 = 1.f, fq1 = 1.f, fk0 = 1.f, fk1 = 1.f;
-        if constexpr (HALVES == 2) {
-          const float h00 = htot[(sub * 2) * DK + k0], h01 = htot[(sub * 2) * DK + k0 + 1];
-          const float h10 = htot[(sub * 2 + 1) * DK + k0], h11 = htot[(sub * 2 + 1) * DK + k0 + 1];
-          if (hf == 1) {
-            fq0 = fast_exp2(h00);
-            fq1 = fast_exp2(h01);
-          } else {
-            fk0 = fast_exp2(h10);
-            fk1 = fast_exp2(h11);
-            tot[sub * DK + k0] = h00 + h10;
-            tot[sub * DK + k0 + 1] = h01 + h11;
-          }
+      float dsum0 = 0.f, dsum1 = 0.f;  // pass 1: the segment's total log2 decay (columns k0, k0 + 1)
+      if (c_begin < c_end) issue_loads(c_begin);
+      for (int64_t c = c_begin; c < c_end; ++c) {
+        const int slot = static_cast<int>(c & 1);
+        uint16_t* qw = reinterpret_cast<uint16_t*>(smem + L.qw(slot));
+        uint16_t* kw = reinterpret_cast<uint16_t*>(smem + L.kw(slot));
+        uint16_t* As = reinterpret_cast<uint16_t*>(smem + L.a(slot));
+        float* dfac = reinterpret_cast<float*>(smem + L.dfac(slot));
+        cp_async_wait_all();
+        named_sync(kBarPrep, NP);  // raw stage complete; the last chunk's tot/dpart readers are done
+
+        // ---- element-wise, read phase: raw q, k, g -> registers ----
+        uint32_t qv[RS], kv[RS];
+        float e0[RS], e1[RS];
+        float a0 = 0.f, a1 = 0.f;
+  #pragma unroll
+        for (int r = 0; r < RS; ++r) {
+          const int t = sub * 16 + row0 + r;
+          float g0, g1;
+          gate_pair_log2<X, false>(gs, t, k0, L.pr, per_head, gate_bytes, g0, g1);
+          a0 += g0;
+          a1 += g1;
+          e0[r] = fast_exp2(g0);
+          e1[r] = fast_exp2(g1);
+          qv[r] = full ? *reinterpret_cast<const uint32_t*>(qs + t * L.pr + k0) : 0u;
+          kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pr + k0);
         }
-        float f0 = fq0, f1 = fq1;
-#pragma unroll
-        for (int r = 0; r < RS && full; ++r) {
-          f0 *= e0[r];
-          f1 *= e1[r];
-          const float2 q = X::to_float2(qv[r]);
-          *reinterpret_cast<uint32_t*>(qw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
-        }
-        f0 = fk0;
-        f1 = fk1;
-#pragma unroll
-        for (int r = RS - 1; r >= 0; --r) {
-          const float2 k = X::to_float2(kv[r]);
-          *reinterpret_cast<uint32_t*>(kw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
-          f0 *= e0[r];
-          f1 *= e1[r];
-        }
-      }
-      if (own_a) {
         if constexpr (HALVES == 1) {
-          const int at = sub * 16 * L.pq + k0;
-          write_level_block<8, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, qv, kv, e0, e1);
-          write_level_block<4, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, qv, kv, e0, e1);
-          write_level_block<2, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
+          tot[sub * DK + k0] = a0;
+          tot[sub * DK + k0 + 1] = a1;
         } else {
-          const int at = (sub * 16 + row0) * L.pq + k0;
-          write_level_rows_h8<X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, hf == 0, qv, kv, e0, e1);
-          write_level_block<4, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, qv, kv, e0, e1);
-          write_level_block<2, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
+          htot[q2 * DK + k0] = a0;
+          htot[q2 * DK + k0 + 1] = a1;
         }
-      }
-      if constexpr (RS != 16) {
-        if (own_a) reduce_partials();
-      }
-      named_sync(kBarPrep, NP);
-
-      // ---- A: off-diagonal blocks, the three level products, diagonal and h = 1 entries ----
-      {
-        // 6 off-diagonal blocks (DK/16 mma pairs each) and 12 level products (sub-chunk x level,
-        // DK/32 pairs each): 24 units, spread evenly over the prep warps -- 8 warps: an
-        // off-diagonal block and a level each, or three levels; 16: one block or two levels; 4: two
-        // blocks and two levels, or six levels. (Round-robin gave two of 8 warps 4 units.)
-        auto offdiag = [&](int task) {
-          // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
-          offdiag_block<DK, X, kFarTable>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
-                                          (0x010210 >> (4 * task)) & 15, lane,
-                                          reinterpret_cast<const float*>(smem + L.ofac));
+        // Partials over this column pair: q_t . k_t (diagonal) and q_{2i+1} e_{2i+1} . k_{2i} (the
+        // h = 1 level: pivot at row 2i, so the query factor is e_{2i+1} <= 1 and the key factor 1).
+        float dg[RS], pr[RS / 2];
+  #pragma unroll
+        for (int r = 0; r < RS; ++r) {
+          const float2 q = X::to_float2(qv[r]), k = X::to_float2(kv[r]);
+          dg[r] = q.x * k.x + q.y * k.y;
+        }
+  #pragma unroll
+        for (int i = 0; i < RS / 2; ++i) {
+          const float2 q = X::to_float2(qv[2 * i + 1]), k = X::to_float2(kv[2 * i]);
+          pr[i] = q.x * e0[2 * i + 1] * k.x + q.y * e1[2 * i + 1] * k.y;
+        }
+        // Reduce dg (RS rows) and pr (RS/2 pairs) over the warp: half-exchange, then butterflies;
+        // dpart per warp (stride DPS): RS row sums, then RS/2 pair sums. At RS = 16 this runs before
+        // the write phase, so that dg and pr are dead while that phase holds q, k and the factors (the
+        // prep group spilled 148 B there; dpart's readers of the last chunk passed the first barrier).
+        // At RS < 16 nothing spills and running it first only delays the next chunk's loads (B4 T8192
+        // H32 D64: 0.365 -> 0.375 ms on the H200), so it stays after the write phase.
+        auto reduce_partials = [&]() {
+          constexpr int HV = RS / 2, HP = RS / 4;
+          const bool upper = (lane & 16) != 0;
+          float hv[HV], hp[HP];
+  #pragma unroll
+          for (int i = 0; i < HV; ++i) {
+            const float send = upper ? dg[i] : dg[i + HV];
+            const float keep = upper ? dg[i + HV] : dg[i];
+            hv[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+          }
+  #pragma unroll
+          for (int i = 0; i < HP; ++i) {
+            const float send = upper ? pr[i] : pr[i + HP];
+            const float keep = upper ? pr[i + HP] : pr[i];
+            hp[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+          }
+  #pragma unroll
+          for (int o = 8; o >= 1; o >>= 1) {
+  #pragma unroll
+            for (int i = 0; i < HV; ++i) hv[i] += __shfl_xor_sync(0xffffffffu, hv[i], o);
+  #pragma unroll
+            for (int i = 0; i < HP; ++i) hp[i] += __shfl_xor_sync(0xffffffffu, hp[i], o);
+          }
+          if ((lane & 15) == 0) {
+  #pragma unroll
+            for (int i = 0; i < HV; ++i) dpart[warp * DPS + (upper ? HV : 0) + i] = hv[i];
+  #pragma unroll
+            for (int i = 0; i < HP; ++i) dpart[warp * DPS + RS + (upper ? HP : 0) + i] = hp[i];
+          }
         };
-        auto level = [&](int task) {
-          level_block_at<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
-                                task % 3, lane);
-        };
-        constexpr int NW = NP / 32;
-        static_assert(NW == 4 || NW == 8 || NW == 16, "A task split");
+        if constexpr (RS == 16) {
+          if (own_a) reduce_partials();
+        }
+        named_sync(kBarPrep, NP);  // every raw read is done: the next chunk may load
+        if (c + 1 < c_end) issue_loads(c + 1);
+        // The second key half's A rows of this chunk into registers now, stored into the slot once
+        // it is free (the loads land during the write phase). Rows past the sequence are zero.
+        constexpr int kIntraPieces = KEYHALF == 2 ? kChunk * 8 / NP : 1;  // 16-byte pieces per thread
+        uint4 intra_rows[kIntraPieces];
         if constexpr (KEYHALF == 2) {
-#pragma unroll
+          const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk)), lo = seq.first_row(c);
+          const uint16_t* src = p.intra + ((seq.batch * p.T + seq.bos + c * kChunk) * p.H + h) * kChunk;
+  #pragma unroll
           for (int j = 0; j < kIntraPieces; ++j) {
-            const int i = tid + j * NP;
-            *reinterpret_cast<uint4*>(As + (i >> 3) * L.pa + (i & 7) * 8) = intra_rows[j];
+            const int i = tid + j * NP, r = i >> 3;
+            intra_rows[j] = r < rows && r >= lo ? *reinterpret_cast<const uint4*>(src + int64_t(r) * p.H * kChunk + (i & 7) * 8)
+                                     : make_uint4(0u, 0u, 0u, 0u);
+          }
+        }
+        // The far off-diagonal blocks' factors 2^{Tot_1}, 2^{Tot_2}, 2^{Tot_1 + Tot_2} for this
+        // thread's two columns, once per chunk (the A phase read them per k-step as exp2 of sums,
+        // which made the far blocks the slowest A tasks). Sub-chunk totals in exactly the
+        // expressions that tot[] gets, so the factors are bitwise those of the per-k-step form. The
+        // last chunk's A phase read the table before the barrier that preceded this chunk's loads.
+        if constexpr (kFarTable) {
+          if (own_a && hf == 0 && (sub == 1 || sub == 2)) {
+            float* ofac = reinterpret_cast<float*>(smem + L.ofac);
+            auto sub_total = [&](int s, int col) {
+              if constexpr (HALVES == 1) {
+                return tot[s * DK + col];
+              } else {
+                float t = htot[(s * HALVES) * DK + col];
+  #pragma unroll
+                for (int i = 1; i < HALVES; ++i) t += htot[(s * HALVES + i) * DK + col];
+                return t;
+              }
+            };
+  #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float t1 = sub_total(1, k0 + e);
+              if (sub == 1) {
+                ofac[k0 + e] = fast_exp2(t1);
+              } else {
+                const float t2 = sub_total(2, k0 + e);
+                ofac[DK + k0 + e] = fast_exp2(t2);
+                ofac[2 * DK + k0 + e] = fast_exp2(t1 + t2);
+              }
+            }
+          }
+        }
+        // The slot was last used by chunk c-2: wait until the state group is done with it.
+        if (c >= c_begin + 2) {
+          mbar_wait(mbars + 16 + 8 * slot, static_cast<uint32_t>(((c - 2 - c_begin) >> 1) & 1));
+        }
+
+        // ---- element-wise, write phase: qloc, kloc, level copies; reductions ----
+        {
+          // qloc_t = q_t 2^{c_t} (c from the sub-chunk start), kloc_t = k_t 2^{Tot - c_t}. A second
+          // half starts its query product at 2^{total of the first half}; a first half starts its key
+          // product at 2^{total of the second half}. Exponents <= 0.
+          float fq0 = 1.f, fq1 = 1.f, fk0 = 1.f, fk1 = 1.f;
+          if constexpr (HALVES == 2) {
+            const float h00 = htot[(sub * 2) * DK + k0], h01 = htot[(sub * 2) * DK + k0 + 1];
+            const float h10 = htot[(sub * 2 + 1) * DK + k0], h11 = htot[(sub * 2 + 1) * DK + k0 + 1];
+            if (hf == 1) {
+              fq0 = fast_exp2(h00);
+              fq1 = fast_exp2(h01);
+            } else {
+              fk0 = fast_exp2(h10);
+              fk1 = fast_exp2(h11);
+              tot[sub * DK + k0] = h00 + h10;
+              tot[sub * DK + k0 + 1] = h01 + h11;
+            }
+          }
+          float f0 = fq0, f1 = fq1;
+  #pragma unroll
+          for (int r = 0; r < RS && full; ++r) {
+            f0 *= e0[r];
+            f1 *= e1[r];
+            const float2 q = X::to_float2(qv[r]);
+            *reinterpret_cast<uint32_t*>(qw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(q.x * f0, q.y * f1);
+          }
+          f0 = fk0;
+          f1 = fk1;
+  #pragma unroll
+          for (int r = RS - 1; r >= 0; --r) {
+            const float2 k = X::to_float2(kv[r]);
+            *reinterpret_cast<uint32_t*>(kw + (sub * 16 + row0 + r) * L.pq + k0) = X::pack(k.x * f0, k.y * f1);
+            f0 *= e0[r];
+            f1 *= e1[r];
           }
         }
         if (own_a) {
-          if constexpr (NW == 16) {
-            if (warp < 6) {
-              offdiag(warp);
-            } else if (warp < 12) {
-              level(2 * (warp - 6));
-              level(2 * (warp - 6) + 1);
-            }
-          } else if constexpr (NW == 8 && !kFarTable) {
-            if (warp < 6) {
-              offdiag(warp);
-              level(warp);
-            } else {
-              for (int i = 0; i < 3; ++i) level(6 + 3 * (warp - 6) + i);
-            }
-          } else if constexpr (NW == 8) {
-            // The three far blocks (2,0) (3,1) (3,0) -- the heaviest tasks, with their fragment
-            // scaling -- alone on warps 0..2; the near blocks and the 12 levels three to a warp
-            // on warps 3..7.
-            if (warp < 3) {
-              offdiag(3 + warp);
-            } else if (warp < 6) {
-              offdiag(warp - 3);
-              level(2 * (warp - 3));
-              level(2 * (warp - 3) + 1);
-            } else {
-              for (int i = 0; i < 3; ++i) level(6 + 3 * (warp - 6) + i);
-            }
+          if constexpr (HALVES == 1) {
+            const int at = sub * 16 * L.pq + k0;
+            write_level_block<8, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, qv, kv, e0, e1);
+            write_level_block<4, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, qv, kv, e0, e1);
+            write_level_block<2, 16, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
           } else {
-            if (warp < 3) {
-              offdiag(2 * warp);
-              offdiag(2 * warp + 1);
-              level(2 * warp);
-              level(2 * warp + 1);
-            } else {
-              for (int i = 6; i < 12; ++i) level(i);
+            const int at = (sub * 16 + row0) * L.pq + k0;
+            write_level_rows_h8<X>(reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + at, L.pq, hf == 0, qv, kv, e0, e1);
+            write_level_block<4, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(1)) + at, L.pq, qv, kv, e0, e1);
+            write_level_block<2, 8, X>(reinterpret_cast<uint16_t*>(smem + L.lvl(2)) + at, L.pq, qv, kv, e0, e1);
+          }
+        }
+        if constexpr (RS != 16) {
+          if (own_a) reduce_partials();
+        }
+        named_sync(kBarPrep, NP);
+
+        // ---- A: off-diagonal blocks, the three level products, diagonal and h = 1 entries ----
+        {
+          // 6 off-diagonal blocks (DK/16 mma pairs each) and 12 level products (sub-chunk x level,
+          // DK/32 pairs each): 24 units, spread evenly over the prep warps -- 8 warps: an
+          // off-diagonal block and a level each, or three levels; 16: one block or two levels; 4: two
+          // blocks and two levels, or six levels. (Round-robin gave two of 8 warps 4 units.)
+          auto offdiag = [&](int task) {
+            // Blocks (i, j): (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), packed as nibbles (no local array).
+            offdiag_block<DK, X, kFarTable>(As, L.pa, qw, kw, L.pq, tot, (0x332321 >> (4 * task)) & 15,
+                                            (0x010210 >> (4 * task)) & 15, lane,
+                                            reinterpret_cast<const float*>(smem + L.ofac));
+          };
+          auto level = [&](int task) {
+            level_block_at<DK, X>(As, L.pa, reinterpret_cast<const uint16_t*>(smem + L.lvl(task % 3)), L.pq, task / 3,
+                                  task % 3, lane);
+          };
+          constexpr int NW = NP / 32;
+          static_assert(NW == 4 || NW == 8 || NW == 16, "A task split");
+          if constexpr (KEYHALF == 2) {
+  #pragma unroll
+            for (int j = 0; j < kIntraPieces; ++j) {
+              const int i = tid + j * NP;
+              *reinterpret_cast<uint4*>(As + (i >> 3) * L.pa + (i & 7) * 8) = intra_rows[j];
             }
           }
-        }
-        if (own_a && tid < kChunk) {
-          // Row t = 16 tsub + RS thf + lr: its warps are those of item row q2 = HALVES tsub + thf.
-          const int t = tid, tsub = t >> 4, thf = (t & 15) / RS, lr = (t & 15) % RS, r = t & 15;
-          const int wq = (tsub * HALVES + thf) * kWarpsPerItemRow;
-          float sd = 0.f, sp = 0.f;
-#pragma unroll
-          for (int w = 0; w < kWarpsPerItemRow; ++w) {
-            sd += dpart[(wq + w) * DPS + lr];
-            sp += dpart[(wq + w) * DPS + RS + (lr >> 1)];
+          if (own_a) {
+            if constexpr (NW == 16) {
+              if (warp < 6) {
+                offdiag(warp);
+              } else if (warp < 12) {
+                level(2 * (warp - 6));
+                level(2 * (warp - 6) + 1);
+              }
+            } else if constexpr (NW == 8 && !kFarTable) {
+              if (warp < 6) {
+                offdiag(warp);
+                level(warp);
+              } else {
+                for (int i = 0; i < 3; ++i) level(6 + 3 * (warp - 6) + i);
+              }
+            } else if constexpr (NW == 8) {
+              // The three far blocks (2,0) (3,1) (3,0) -- the heaviest tasks, with their fragment
+              // scaling -- alone on warps 0..2; the near blocks and the 12 levels three to a warp
+              // on warps 3..7.
+              if (warp < 3) {
+                offdiag(3 + warp);
+              } else if (warp < 6) {
+                offdiag(warp - 3);
+                level(2 * (warp - 3));
+                level(2 * (warp - 3) + 1);
+              } else {
+                for (int i = 0; i < 3; ++i) level(6 + 3 * (warp - 6) + i);
+              }
+            } else {
+              if (warp < 3) {
+                offdiag(2 * warp);
+                offdiag(2 * warp + 1);
+                level(2 * warp);
+                level(2 * warp + 1);
+              } else {
+                for (int i = 6; i < 12; ++i) level(i);
+              }
+            }
           }
-          As[t * L.pa + t] = X::from_float(sd);
-          if (r & 1) As[t * L.pa + t - 1] = X::from_float(sp);
+          if (own_a && tid < kChunk) {
+            // Row t = 16 tsub + RS thf + lr: its warps are those of item row q2 = HALVES tsub + thf.
+            const int t = tid, tsub = t >> 4, thf = (t & 15) / RS, lr = (t & 15) % RS, r = t & 15;
+            const int wq = (tsub * HALVES + thf) * kWarpsPerItemRow;
+            float sd = 0.f, sp = 0.f;
+  #pragma unroll
+            for (int w = 0; w < kWarpsPerItemRow; ++w) {
+              sd += dpart[(wq + w) * DPS + lr];
+              sp += dpart[(wq + w) * DPS + RS + (lr >> 1)];
+            }
+            As[t * L.pa + t] = X::from_float(sd);
+            if (r & 1) As[t * L.pa + t - 1] = X::from_float(sp);
+          }
         }
-      }
-      named_sync(kBarPrep, NP);  // A done; qloc/kloc no longer read as such
+        named_sync(kBarPrep, NP);  // A done; qloc/kloc no longer read as such
 
-      // ---- qg = qloc 2^{Pre}, kg = kloc 2^{Post}; the chunk's decay 2^{b_last} ----
-      {
-        float pre0, pre1, post0, post1;
-        sub_chunk_pre_post<DK>(tot, sub, k0, pre0, pre1, post0, post1);
-        if (sub == 0 && hf == 0) {
-          const float d0 = post0 + tot[k0], d1 = post1 + tot[k0 + 1];
-          dfac[k0] = fast_exp2(d0);
-          dfac[k0 + 1] = fast_exp2(d1);
-          dsum0 += d0;
-          dsum1 += d1;
+        // ---- qg = qloc 2^{Pre}, kg = kloc 2^{Post}; the chunk's decay 2^{b_last} ----
+        {
+          float pre0, pre1, post0, post1;
+          sub_chunk_pre_post<DK>(tot, sub, k0, pre0, pre1, post0, post1);
+          if (sub == 0 && hf == 0) {
+            const float d0 = post0 + tot[k0], d1 = post1 + tot[k0 + 1];
+            dfac[k0] = fast_exp2(d0);
+            dfac[k0 + 1] = fast_exp2(d1);
+            dsum0 += d0;
+            dsum1 += d1;
+          }
+          const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
+          const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
+          // Scales row t of this item's column pair in a slot tile in place (qw or kw).
+          auto scale_row = [&](uint16_t* tile, int t, float f0, float f1) {
+            uint32_t* xp = reinterpret_cast<uint32_t*>(tile + t * L.pq + k0);
+            const float2 x = X::to_float2(*xp);
+            *xp = X::pack(x.x * f0, x.y * f1);
+          };
+  #pragma unroll
+          for (int r = 0; r < RS; ++r) {
+            const int t = sub * 16 + row0 + r;
+            if (full && sub > 0) scale_row(qw, t, fq0, fq1);
+            if (sub < 3) scale_row(kw, t, fk0, fk1);
+          }
         }
-        const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
-        const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
-        // Scales row t of this item's column pair in a slot tile in place (qw or kw).
-        auto scale_row = [&](uint16_t* tile, int t, float f0, float f1) {
-          uint32_t* xp = reinterpret_cast<uint32_t*>(tile + t * L.pq + k0);
-          const float2 x = X::to_float2(*xp);
-          *xp = X::pack(x.x * f0, x.y * f1);
-        };
-#pragma unroll
-        for (int r = 0; r < RS; ++r) {
-          const int t = sub * 16 + row0 + r;
-          if (full && sub > 0) scale_row(qw, t, fq0, fq1);
-          if (sub < 3) scale_row(kw, t, fk0, fk1);
-        }
+        // Publish the slot: each thread's arrival releases its own writes to the state group's wait
+        // (PTX ISA, mbarrier).
+        mbar_arrive(mbars + 8 * slot);
       }
-      // Publish the slot: each thread's arrival releases its own writes to the state group's wait
-      // (PTX ISA, mbarrier).
-      mbar_arrive(mbars + 8 * slot);
-    }
-    if (!full && vt == 0 && tid < DK / 2) {
-      sa.seg_decay[seg_index * DK + k0] = dsum0;
-      sa.seg_decay[seg_index * DK + k0 + 1] = dsum1;
+      if (!full && vt == 0 && tid < DK / 2) {
+        sa.seg_decay[seg_index * DK + k0] = dsum0;
+        sa.seg_decay[seg_index * DK + k0 + 1] = dsum1;
+      }
     }
   } else {
     // =============================== state group ===============================

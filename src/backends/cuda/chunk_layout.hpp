@@ -95,6 +95,7 @@ struct IntraSmem {
   int q, k, g;         // offsets inside one stage
   int stage_bytes;
   int qloc, kloc, e, tot, a;  // after the stages (a == e)
+  int factors;                // the prepared inputs' sub-chunk factors 2^{pre}, 2^{post} [2][4][64] fp32
   int total;
 };
 constexpr int kIntraSliceKeys = 64;
@@ -115,7 +116,8 @@ GLA_HD inline IntraSmem intra_smem_layout(int stages, int gate_bytes) {
   s.e = s.kloc + kChunk * s.pq * 2;
   s.a = s.e;
   s.tot = s.e + kChunk * s.pe * 4;
-  s.total = s.tot + 4 * kIntraSliceKeys * 4;
+  s.factors = s.tot + 4 * kIntraSliceKeys * 4;
+  s.total = s.factors + 2 * 4 * kIntraSliceKeys * 4;
   return s;
 }
 

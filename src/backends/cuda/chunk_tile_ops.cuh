@@ -175,6 +175,12 @@ __device__ __forceinline__ SeqSpan forward_sequence(const ForwardParams& p, int6
   return s;
 }
 
+// The prepared decays' slot of chunk c of sequence n (prepared_chunk_slots says why it is distinct).
+__device__ __forceinline__ int64_t prepared_chunk_slot(const ForwardParams& p, const SeqSpan& seq, int64_t n, int64_t c) {
+  if (!p.varlen) return seq.batch * ((p.T + kChunk - 1) / kChunk) + c;
+  return (seq.bos + seq.lead) / kChunk + n + c;
+}
+
 // The first chunk-state slot of sequence n (starting at token bos): ForwardParams::chunk_states.
 __device__ __forceinline__ int64_t chunk_state_first(const ForwardParams& p, int64_t n, int64_t bos) {
   if (!p.varlen) return n * ((p.T + kChunk - 1) / kChunk);

@@ -150,11 +150,36 @@ cudaError_t launch_key_split(const ForwardParams& p, const ForwardPlan& plan, vo
   // keys, then the second half's q S and A v: added into o as it is stored (key_split 2), or
   // stored apart and added by a third kernel (key_split 1).
   uint16_t* intra = reinterpret_cast<uint16_t*>(static_cast<char*>(workspace) + plan.intra_offset);
-  cudaError_t err = launch_intra_matrix(p, plan.segment_chunks * plan.max_segments, intra, stream);
+  PreparedInputs prepared{};
+  if (plan.prepared) {
+    char* base = static_cast<char*>(workspace) + plan.prepared_offset;
+    const size_t elements = size_t(p.B) * p.T * p.H * p.K;
+    const size_t decays = size_t(prepared_chunk_slots(p.B, p.T, p.N)) * p.H * p.K;
+    prepared.qg = reinterpret_cast<uint16_t*>(base);
+    prepared.kg = prepared.qg + elements;
+    prepared.decay = reinterpret_cast<float*>(base + (2 * elements * esz + 255) / 256 * 256);
+    prepared.decay_log2 = prepared.decay + decays;
+  }
+  cudaError_t err = launch_intra_matrix(p, plan.segment_chunks * plan.max_segments, intra, prepared, stream);
   if (err != cudaSuccess) return err;
   lo.key_half = 1;
   hi.key_half = 2;
   hi.intra = intra;
+  if (plan.prepared) {
+    // Both halves read the prepared qg, kg and decays (their keys 0..127 and 128..K-1) in place of q, k, g.
+    for (ForwardParams* half : {&lo, &hi}) {
+      const int64_t key0 = half == &hi ? 128 : 0;
+      half->prepared = 1;
+      half->q = prepared.qg + key0;
+      half->k = prepared.kg + key0;
+      half->q_stride[0] = half->k_stride[0] = p.T * p.H * p.K;
+      half->q_stride[1] = half->k_stride[1] = p.H * p.K;
+      half->q_stride[2] = half->k_stride[2] = p.K;
+      half->chunk_decay = prepared.decay + key0;
+      half->chunk_decay_log2 = prepared.decay_log2 + key0;
+      half->chunk_decay_stride = p.K;
+    }
+  }
   err = launch_chunk_forward(lo, plan, workspace, stream);
   if (err != cudaSuccess) return err;
   if (plan.key_split == 2) return launch_chunk_forward(hi, plan, workspace, stream);
