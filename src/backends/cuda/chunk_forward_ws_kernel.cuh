@@ -31,6 +31,7 @@
 #include "backends/cuda/chunk_layout.hpp"
 #include "backends/cuda/chunk_tile_ops.cuh"
 #include "backends/cuda/device_utils.cuh"
+#include "backends/cuda/wgmma.cuh"
 
 namespace gla::cuda::detail {
 
@@ -151,11 +152,75 @@ __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t*
 #endif
 }
 
+// The state group's products on wgmma (the prepared key split's full pass on sm_90a): o^T = V^T A^T
+// (A_TERM) + S^T qg^T, then S^T = S^T diag(2^{b_last}) + V^T kg, for this warp group's 64 value
+// rows. The registers are the mma.sync path's (acc: o^T's eight n8 tiles, S: S^T's DK/8), which
+// are also wgmma's m64nN accumulator fragments; the A operands are S^T rounded to 16 bits (two
+// batches of four k-steps, so that 16 packed registers are live) and the V^T fragments. qg (rows t,
+// K = k) and A (rows t, K = s) are K-major B operands, kg (rows s = K, k contiguous) N-major, all
+// in the sw128_off layout. o^T is staged into this warp's columns of the v stage before the S^T
+// product, so its 32 registers are free there.
+template <int DK, typename X, bool A_TERM>
+__device__ __forceinline__ void wg_state_products(float (&acc)[8][4], float (&S)[DK / 8][4], uint32_t (&vf)[4][4],
+                                                  uint32_t qw_addr, uint32_t a_addr, uint32_t kw_addr,
+                                                  const float* dfac, uint16_t* vs, int pv, int vrow, int lane, float sc) {
+  static_assert(DK == 128, "wgmma state group: DK = 128");
+  float* o = &acc[0][0];
+  float* st = &S[0][0];
+  // o^T: the A term and the eight k-steps of S^T qg^T in one group (one wait per chunk for o).
+  uint32_t P[8][4];
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    P[kk][0] = X::pack(S[2 * kk][0], S[2 * kk][1]);
+    P[kk][1] = X::pack(S[2 * kk][2], S[2 * kk][3]);
+    P[kk][2] = X::pack(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+    P[kk][3] = X::pack(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+  }
+  wg_pin<32>(o);
+  wg_fence();
+  if constexpr (A_TERM) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_n64_kmajor<X>(o, vf[kk], wg_desc(a_addr + kk * 32, 16, 1024));
+  }
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    wgmma_n64_kmajor<X>(o, P[kk], wg_desc(qw_addr + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024));
+  }
+  wg_commit();
+  decay_state<DK>(S, dfac, lane);  // S itself is not an operand of this group (P is)
+  wg_wait_all();
+  wg_pin<32>(o);
+  wg_pin<32>(&P[0][0]);
+  wg_pin<16>(&vf[0][0]);
+  // o^T into this warp's columns of the v stage (V^T reloaded first: the columns are the warp's
+  // own V^T rows); __syncwarp orders the other lanes' ldmatrix reads of them before the writes.
+  load_v_fragments(vf, vs, pv, vrow, lane);
+  __syncwarp();
+  stage_o_tile<X>(acc, vs, pv, vrow, lane, sc);
+  // S^T += V^T kg, left in flight: the caller stores o meanwhile and waits (wg_finish_update)
+  // before it frees the slot.
+  wg_pin<DK / 2>(st);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    wgmma_n128_nmajor<X>(st, vf[kk], wg_desc(kw_addr + kk * 2048, kKgLeadingBytes, kKgStrideBytes));
+  }
+  wg_commit();
+}
+// The end of wg_state_products' S^T update.
+template <int DK>
+__device__ __forceinline__ void wg_finish_update(float (&S)[DK / 8][4], uint32_t (&vf)[4][4]) {
+  wg_wait_all();
+  wg_pin<DK / 2>(&S[0][0]);
+  wg_pin<16>(&vf[0][0]);
+}
+
 // The prep group of a prepared key split (ForwardParams::prepared): per chunk, once the slot is free,
 // cp.async of qg, kg (rows as issue_loads copies them), the second half's A rows and the chunk decay
 // 2^{b_last} into the slot; READY completes when every prep thread has arrived and its copies have
 // landed. Pass 1 of a segment split (FULL false) sums the segment's log2 decay per key.
-template <int DK, int NP, bool FULL, int KEYHALF>
+// SWZ: into the swizzled slots that the wgmma state group reads (kSwizzledSlotBytes).
+template <int DK, int NP, bool FULL, int KEYHALF, bool SWZ>
 __device__ __forceinline__ void copy_prepared(const ForwardParams& p, const SegmentArgs& sa, const WsSmem& L,
                                               unsigned char* smem, unsigned char* mbars, const SeqSpan& seq, int64_t n,
                                               int64_t h, int64_t c_begin, int64_t c_end, int64_t seg_index, int vt,
@@ -179,9 +244,16 @@ __device__ __forceinline__ void copy_prepared(const ForwardParams& p, const Segm
     for (int j = 0; j < kLoadIters; ++j) {
       const int r = lr0 + j * kRowStep;
       const bool ok = col_ok && r < rows && r >= lo;
-      const int so = (r * L.pq + lc * 8) * 2;
-      if (FULL) cp_async16(smem + L.qw(slot) + so, ok ? qr : p.q, ok);
-      cp_async16(smem + L.kw(slot) + so, ok ? kr : p.k, ok);
+      if constexpr (SWZ) {
+        unsigned char* base = smem + slot * kSwizzledSlotBytes;
+        const int so = sw128_off(r, lc * 8) * 2;
+        if (FULL) cp_async16(base + so, ok ? qr : p.q, ok);
+        cp_async16(base + kSwizzledKg + so, ok ? kr : p.k, ok);
+      } else {
+        const int so = (r * L.pq + lc * 8) * 2;
+        if (FULL) cp_async16(smem + L.qw(slot) + so, ok ? qr : p.q, ok);
+        cp_async16(smem + L.kw(slot) + so, ok ? kr : p.k, ok);
+      }
       qr += kRowStep * q_rs;
       kr += kRowStep * k_rs;
     }
@@ -191,7 +263,9 @@ __device__ __forceinline__ void copy_prepared(const ForwardParams& p, const Segm
       for (int j = 0; j < kChunk * 8 / NP; ++j) {
         const int i = tid + j * NP, r = i >> 3;
         const bool ok = r < rows && r >= lo;
-        cp_async16(smem + L.a(slot) + (r * L.pa + (i & 7) * 8) * 2, ok ? src + int64_t(r) * p.H * kChunk + (i & 7) * 8 : p.intra, ok);
+        unsigned char* dst = SWZ ? smem + slot * kSwizzledSlotBytes + kSwizzledA + sw128_off(r, (i & 7) * 8) * 2
+                                 : smem + L.a(slot) + (r * L.pa + (i & 7) * 8) * 2;
+        cp_async16(dst, ok ? src + int64_t(r) * p.H * kChunk + (i & 7) * 8 : p.intra, ok);
       }
     }
     const int64_t decay_at = (prepared_chunk_slot(p, seq, n, c) * p.H + h) * p.chunk_decay_stride;
@@ -242,6 +316,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   // forward with states measured 0.3674 against 0.3900 ms stored at once (B4 T8192 H32 D64); at
   // DK = 128 the full pass then spills 112 B and took 0.515 against 0.460 ms.
   constexpr bool kStoresInUpdate = DK == 64;
+  // The prepared key split's full pass on sm_90a: the state group's products on wgmma from swizzled
+  // slots (wg_state_products).
+  constexpr bool kSwz = PREP != 0 && kArchWgmma && DK == 128 && RS == 16 && LOCAL == 0;
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -273,6 +350,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   const bool per_head = p.gate_per_head != 0;
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;  // 4 only with per_head here
   const WsSmem L = ws_smem_layout(DK, per_head, HALVES);
+  if constexpr (kSwz) {
+    // the swizzle needs 1024-byte aligned tiles, and the two slots must end before the v stages
+    if ((smem_addr(smem) & 1023u) != 0 || 2 * kSwizzledSlotBytes > L.v0) __trap();
+  }
 
   // READY[s] / FREE[s] as mbarriers: READY counts the prep group's threads, FREE the state group's.
   unsigned char* mbars = smem + L.mbar;  // READY[0], READY[1], FREE[0], FREE[1]
@@ -293,11 +374,13 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   if (warp < NP / 32) {
     // =============================== prep group ===============================
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (NT == 512) asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::);
+    // A prepared pass's prep group only copies: its registers go to the wgmma state group.
+    if constexpr (NT == 512 && kSwz) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::);
+    if constexpr (NT == 512 && !kSwz) asm volatile("setmaxnreg.dec.sync.aligned.u32 112;\n" ::);
 #endif
     if constexpr (PREP != 0) {
       static_assert(KEYHALF != 0, "prepared inputs: key split only");
-      copy_prepared<DK, NP, full, KEYHALF>(p, sa, L, smem, mbars, seq, n, h, c_begin, c_end, seg_index, vt, tid);
+      copy_prepared<DK, NP, full, KEYHALF, kSwz>(p, sa, L, smem, mbars, seq, n, h, c_begin, c_end, seg_index, vt, tid);
     } else {
       uint16_t* qs = reinterpret_cast<uint16_t*>(smem + L.q);
       const uint16_t* ks = reinterpret_cast<const uint16_t*>(smem + L.k);
@@ -670,7 +753,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   } else {
     // =============================== state group ===============================
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (NT == 512) asm volatile("setmaxnreg.inc.sync.aligned.u32 144;\n" ::);
+    if constexpr (NT == 512 && kSwz) asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::);
+    if constexpr (NT == 512 && !kSwz) asm volatile("setmaxnreg.inc.sync.aligned.u32 144;\n" ::);
 #endif
     const int stid = tid - NP, swarp = warp - NP / 32;
     const int vrow = swarp * 16;
@@ -708,7 +792,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
     // been stored (before the loop for the first chunk), so its latency passes under chunk c's
     // products instead of stalling the store; each lane copies exactly the pieces it adds, so no
     // lane reads another's. Commit order per chunk: v of c + 1, then prev_o of c + 1.
-    uint16_t* prev_o = reinterpret_cast<uint16_t*>(smem + L.lvl(0)) + swarp * (kChunk * 16);
+    // (the swizzled slots take the level copies' region: there the unused qw of the plain slot 0)
+    uint16_t* prev_o = reinterpret_cast<uint16_t*>(smem + (kSwz ? L.qw(0) : L.lvl(0))) + swarp * (kChunk * 16);
     static_assert(KEYHALF != 2 || NS / 32 * kChunk * 16 * 2 <= kChunk * (DK + 8) * 2, "prev_o fits one level tile");
     auto issue_prev_o = [&](int64_t c, int rows) {
       const char* ob = o_rows(c);
@@ -749,7 +834,13 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       float acc[8][4] = {};
       const bool store_state = full && p.chunk_states != nullptr;
       // The first key half has no intra-chunk term (its A slots stay zero): its 20 A v mmas skipped.
-      if constexpr (kProductsBranch) {
+      if constexpr (kSwz) {
+        fence_proxy_async_smem();  // the slot's copies (generic proxy) before wgmma's reads (async proxy)
+        if (store_state) store_chunk_state_paired<DK>(S, p, n, seq.bos, c, h, v0, vrow, lane);
+        const uint32_t slot_addr = smem_addr(smem) + slot * kSwizzledSlotBytes;
+        wg_state_products<DK, X, KEYHALF == 2>(acc, S, vf, slot_addr, slot_addr + kSwizzledA, slot_addr + kSwizzledKg,
+                                               dfac, vs, L.pv, vrow, lane, p.scale);
+      } else if constexpr (kProductsBranch) {
         if (store_state) store_chunk_state_paired<DK>(S, p, n, seq.bos, c, h, v0, vrow, lane);
         if (rows > 0) {  // always: kProductsBranch says why
           if (full) o_tile<DK, X, true>(acc, S, vf, qw, L.pq, As, L.pa, lane);
@@ -765,13 +856,13 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         if (store_state) store_chunk_state_paired<DK>(S, p, n, seq.bos, c, h, v0, vrow, lane);
         state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
       }
-      // Done with the slot.
-      mbar_arrive(mbars + 16 + 8 * slot);
+      // Done with the slot (the wgmma state group: after its S^T update, below).
+      if constexpr (!kSwz) mbar_arrive(mbars + 16 + 8 * slot);
 
       if (!full) continue;
       // o^T -> this warp's own columns of the v stage (only this warp read them) -> global.
       const float sc = p.scale;
-      stage_o_tile<X>(acc, vs, L.pv, vrow, lane, sc);
+      if constexpr (!kSwz) stage_o_tile<X>(acc, vs, L.pv, vrow, lane, sc);  // (wg_state_products staged it)
       __syncwarp();
       if constexpr (KEYHALF == 2) {  // this lane's prev_o pieces (v of chunk c + 1, committed later, may fly)
         if (c + 1 < c_end) cp_async_wait_one(); else cp_async_wait_all();
@@ -796,6 +887,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       }
       if constexpr (KEYHALF == 2) {
         if (c + 1 < c_end) issue_prev_o(c + 1, static_cast<int>(gla_min64(kChunk, seq.len - (c + 1) * kChunk)));
+      }
+      if constexpr (kSwz) {
+        wg_finish_update<DK>(S, vf);
+        mbar_arrive(mbars + 16 + 8 * slot);
       }
     }
 

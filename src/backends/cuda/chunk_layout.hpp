@@ -121,6 +121,19 @@ GLA_HD inline IntraSmem intra_smem_layout(int stages, int gate_bytes) {
   return s;
 }
 
+// Element offset of (row r, column c) of a 64-row 16-bit tile in the 128-byte-swizzled layout that
+// wgmma reads: columns in blocks of 64 (128-byte rows), blocks 64 rows x 128 B = 8 KB apart; inside
+// a block the 16-byte chunk index of row r is XORed with r % 8 (the tile base must be 1024-byte
+// aligned). 8 consecutive columns from a multiple of 8 stay one contiguous 16-byte chunk.
+GLA_HD inline int sw128_off(int r, int c) {
+  const int b = r * 128 + (c & 63) * 2;
+  return ((c >> 6) * 8192 + (b ^ (((b >> 7) & 7) << 4))) >> 1;
+}
+// The prepared key split's slots on sm_90a, in that layout: slot s at s * kSwizzledSlotBytes from
+// the start of shared memory (the raw stage and the level copies, which a prepared pass leaves
+// unused), qg [64 t][128 k] at 0, kg at kSwizzledKg, A [64 t][64 s] at kSwizzledA.
+constexpr int kSwizzledSlotBytes = 40960, kSwizzledKg = 16384, kSwizzledA = 32768;
+
 // Shared-memory layout (bytes) of the warp-specialised kernel. Indexed buffers are base + i * step
 // (no arrays: a struct indexed at run time would live in local memory).
 struct WsSmem {
