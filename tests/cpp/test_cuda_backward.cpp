@@ -182,6 +182,12 @@ TEST(CudaBackward, VarlenEmptyAndSingleTokenSequences) {
       c.cu_seqlens = cu;
       check_case(c);
     }
+    // K 256 / V 512: the key split with prepared inputs (four value tiles), padded per sequence
+    Case c = base_case(GLA_DTYPE_BF16, 1, cu.back(), 1, 64);
+    c.K = 256;
+    c.V = 512;
+    c.cu_seqlens = cu;
+    check_case(c);
   }
 }
 

@@ -354,6 +354,36 @@ TEST(CudaBackwardPlan, ReversedForwardStoresEachChunkInTheOriginalsSlot) {
   }
 }
 
+// A prepared key split in the reversed forward (K 256, V 512: four value tiles) writes its qg and kg
+// into dq and dk when both are [B, T, H, K] contiguous and 16-byte aligned (the dq/dk kernel writes
+// them last): the workspace then holds only the decays. Otherwise the workspace holds them too.
+TEST(CudaBackwardPlan, ReversedForwardPreparesItsInputsInDqDk) {
+  const Shape s{.B = 2, .T = 256, .H = 2, .K = 256, .V = 512};
+  std::vector<int64_t> so;
+  for (int64_t n = 0; n <= s.B; ++n) so.push_back(n * s.T);
+  BackwardParams p = params(s, {});
+  p.dk = const_cast<void*>(fake(0xa0000000));
+  ASSERT_TRUE(cuda::backward::gradients_hold_prepared(p));
+  const BackwardPlan placed = cuda::plan_backward(p, so.data(), kSms);
+  ASSERT_EQ(placed.values.prepared, 1);
+  const cuda::ForwardParams f = cuda::backward::reversed_forward(p, placed, nullptr);
+  EXPECT_EQ(static_cast<void*>(f.prepared_qg), p.dq);
+  EXPECT_EQ(static_cast<void*>(f.prepared_kg), p.dk);
+  const size_t inputs = size_t(s.B * s.T * s.H * s.K) * 2 * 2;
+  BackwardParams no_dk = p;
+  no_dk.dk = nullptr;
+  BackwardParams strided = p;
+  strided.dk_stride[1] = 2 * s.H * s.K;
+  BackwardParams unaligned = p;
+  unaligned.dq = static_cast<char*>(unaligned.dq) + 2;
+  for (const BackwardParams& other : {no_dk, strided, unaligned}) {
+    EXPECT_FALSE(cuda::backward::gradients_hold_prepared(other));
+    EXPECT_EQ(cuda::backward::reversed_forward(other, placed, nullptr).prepared_qg, nullptr);
+    const BackwardPlan own = cuda::plan_backward(other, so.data(), kSms);
+    EXPECT_EQ(own.values.workspace_bytes, placed.values.workspace_bytes + inputs);
+  }
+}
+
 }  // namespace
 }  // namespace gla::test
 

@@ -183,9 +183,17 @@ TEST(CudaPlan, WideKeysRunAsTwoHalves) {
     if (plan.prepared) {
       EXPECT_EQ(plan.prepared_offset % 256, 0u);
       EXPECT_GE(plan.prepared_offset, intra_end);
-      const size_t inputs = (size_t(r.s.B * r.s.T * r.s.H * r.s.K) * 4 + 255) / 256 * 256;
-      const size_t decays = size_t(cuda::prepared_chunk_slots(r.s.B, r.s.T, 1)) * r.s.H * r.s.K * 8;
-      EXPECT_EQ(plan.workspace_bytes, plan.prepared_offset + inputs + decays);
+      const size_t inputs = size_t(r.s.B * r.s.T * r.s.H * r.s.K) * 4;
+      const size_t decays = (size_t(cuda::prepared_chunk_slots(r.s.B, r.s.T, r.s.B)) * r.s.H * r.s.K * 8 + 255) / 256 * 256;
+      EXPECT_EQ(plan.workspace_bytes, plan.prepared_offset + decays + inputs);
+      // qg and kg placed by the caller (the backward's dq and dk): only the decays
+      ForwardParams placed = params(r.s);
+      uint16_t qg = 0, kg = 0;
+      placed.prepared_qg = &qg;
+      placed.prepared_kg = &kg;
+      std::vector<int64_t> offsets(size_t(r.s.B) + 1);
+      for (size_t n = 0; n < offsets.size(); ++n) offsets[n] = int64_t(n) * r.s.T;
+      EXPECT_EQ(cuda::plan_forward(placed, offsets.data(), 132).workspace_bytes, plan.prepared_offset + decays);
     } else {
       EXPECT_EQ(plan.workspace_bytes, intra_end);
     }

@@ -139,6 +139,9 @@ ForwardParams reversed_forward(const BackwardParams& p, const BackwardPlan& plan
 // Whether the reversed forward takes do as its values (else zeros: do absent, or scale = 0 where
 // dht / scale cannot carry the state gradient).
 bool values_from_do(const BackwardParams& p);
+// Whether dq and dk can hold the reversed forward's prepared qg and kg (ForwardParams::prepared_qg):
+// both present, [B, T, H, K] contiguous and 16-byte aligned (the dq/dk kernel writes them last).
+bool gradients_hold_prepared(const BackwardParams& p);
 // The scale of the reversed forward's states (dS_{c+1} = it · Diag(e^{g_{64(c+1)}}) · S'):
 // chunk_backward.cu's dh0 and the dq/dk/dg kernel use it.
 constexpr float kMinStateGradScale = 1e-6f;  // |scale| below it: the reverse walk (dht / scale could overflow)

@@ -84,6 +84,11 @@ struct ForwardParams {
   // slot (prepared_chunk_slot), chunk_decay_log2 b_last: the warp-specialised kernel copies them
   // into its slots instead of forming them.
   int32_t prepared;
+  // Where a prepared key split writes qg and kg ([B * T, H, K] 16-bit, rows counted like `intra`'s;
+  // null: the plan's workspace). The backward points them at dq and dk, which only its last kernel
+  // writes, so the reversed forward's prepared inputs cost no memory (plan_backward).
+  uint16_t* prepared_qg;
+  uint16_t* prepared_kg;
   const float* chunk_decay;
   const float* chunk_decay_log2;
   int64_t chunk_decay_stride;

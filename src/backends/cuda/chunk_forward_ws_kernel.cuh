@@ -278,6 +278,7 @@ __device__ __forceinline__ void copy_prepared(const ForwardParams& p, const Segm
     mbar_arrive(mbars + 8 * slot);
   }
   if (!FULL && vt == 0 && tid < DK) sa.seg_decay[seg_index * DK + tid] = dsum;
+  cp_async_wait_all();  // no copy outlives its thread (synccheck: "missing wait" otherwise)
 }
 
 // RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk). 8 (split

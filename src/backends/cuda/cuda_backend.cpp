@@ -271,7 +271,8 @@ cuda::BackwardPlan backward_plan(const cuda::BackwardParams& b, const gla_proble
   // Which inputs and outputs are present, and whether do feeds the reversed forward (scale != 0).
   const int32_t present_mask = (b.dq != nullptr) | (b.dk != nullptr) << 1 | (b.dv != nullptr) << 2 |
                                (b.dg != nullptr) << 3 | (b.dh0 != nullptr) << 4 | (b.dht != nullptr) << 5 |
-                               (b.do_ != nullptr) << 6 | (b.scale != 0.0f) << 7 | (b.saved_states != nullptr) << 8;
+                               (b.do_ != nullptr) << 6 | (b.scale != 0.0f) << 7 | (b.saved_states != nullptr) << 8 |
+                               int32_t(cuda::backward::gradients_hold_prepared(b)) << 9;
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t, int32_t,
                          int32_t, int32_t, int32_t, int32_t, uint64_t>;
   const Key key{p.device_index, b.B,           b.N,           b.H,          b.K,         b.V,

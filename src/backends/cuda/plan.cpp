@@ -196,11 +196,13 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
     // V512: intra 105 -> 139 us, halves 142 / 162 -> 111 / 134 us, 0.415 -> 0.394 ms; K = V = 256,
     // two value tiles: 1.815 -> 1.884 ms, slower).
     if (plan.key_split == 2 && plan.value_tiles >= 4) {
-      // PreparedInputs: qg and kg, then the decays (launch_key_split's layout).
+      // PreparedInputs: the decays, then qg and kg unless the caller places them
+      // (ForwardParams::prepared_qg; launch_key_split's layout).
       plan.prepared = 1;
       plan.prepared_offset = (plan.workspace_bytes + 255) / 256 * 256;
-      const size_t inputs = (size_t(p.B) * p.T * p.H * p.K * 2 * 2 + 255) / 256 * 256;
-      plan.workspace_bytes = plan.prepared_offset + inputs + size_t(prepared_chunk_slots(p.B, p.T, p.N)) * p.H * p.K * 4 * 2;
+      const size_t decays = (size_t(prepared_chunk_slots(p.B, p.T, p.N)) * p.H * p.K * 4 * 2 + 255) / 256 * 256;
+      const bool placed = p.prepared_qg != nullptr && p.prepared_kg != nullptr;
+      plan.workspace_bytes = plan.prepared_offset + decays + (placed ? 0 : size_t(p.B) * p.T * p.H * p.K * 2 * 2);
     }
     return plan;
   }

@@ -2,6 +2,7 @@
 // a GPU (tests/cpp/test_cuda_backward_plan.cpp); and the reversed forward's problem, which the plan
 // and the launcher (chunk_backward.cu) both build.
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <vector>
 
@@ -13,6 +14,14 @@ namespace backward {
 // Whether the reversed forward takes do as its values (else zeros: do absent, or scale = 0 where
 // dht / scale cannot carry the state gradient).
 bool values_from_do(const BackwardParams& p) { return p.do_ != nullptr && p.scale != 0.0f; }
+
+bool gradients_hold_prepared(const BackwardParams& p) {
+  auto packed = [&](const void* t, const int64_t* s) {
+    return t != nullptr && s[2] == p.K && s[1] == p.H * p.K && s[0] == p.T * p.H * p.K &&
+           reinterpret_cast<uintptr_t>(t) % 16 == 0;
+  };
+  return packed(p.dq, p.dq_stride) && packed(p.dk, p.dk_stride);
+}
 
 // The forward problem whose output is dv: q' = k, k' = q, v' = do, all reversed in time (negative
 // time strides from the last token), o' = dv reversed, and g' = g reversed and read one token late
@@ -58,6 +67,10 @@ ForwardParams reversed_forward(const BackwardParams& p, const BackwardPlan& plan
   // The gate's rows are read in place: the cp.async path needs them 16-byte aligned too.
   f.vector_loads = p.vector_loads && p.vector_dv && (p.gate_per_head || p.vector_gate);
   f.pad_front = plan.reversed_pad_front;
+  if (gradients_hold_prepared(p)) {  // a prepared key split's qg and kg (dq and dk are written last)
+    f.prepared_qg = static_cast<uint16_t*>(p.dq);
+    f.prepared_kg = static_cast<uint16_t*>(p.dk);
+  }
   if (plan.state_grads_by_values && workspace != nullptr) {
     // Reversed chunk r of (reversed) sequence n' is original chunk NC_n - 1 - r of its sequence
     // (with pad_front the reversed chunks end where the original ones start), at
