@@ -54,12 +54,6 @@ __device__ __forceinline__ void mbar_init(void* b, int count) {
 __device__ __forceinline__ void mbar_arrive(void* b) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(b)) : "memory");
 }
-// The arrival of every cp.async this thread issued before, once they have landed; the pending count
-// goes up by one first (no .noinc), so the thread still arrives itself: the phase completes when
-// every thread has arrived and every tracked copy has landed.
-__device__ __forceinline__ void mbar_track_copies(void* b) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(smem_addr(b)) : "memory");
-}
 __device__ __forceinline__ void mbar_wait(void* b, uint32_t parity) {
 #if __CUDA_ARCH__ >= 900
   asm volatile(
@@ -217,8 +211,11 @@ __device__ __forceinline__ void wg_finish_update(float (&S)[DK / 8][4], uint32_t
 
 // The prep group of a prepared key split (ForwardParams::prepared): per chunk, once the slot is free,
 // cp.async of qg, kg (rows as issue_loads copies them), the second half's A rows and the chunk decay
-// 2^{b_last} into the slot; READY completes when every prep thread has arrived and its copies have
-// landed. Pass 1 of a segment split (FULL false) sums the segment's log2 decay per key.
+// 2^{b_last} into the slot, one commit group per chunk; a thread arrives on the previous chunk's
+// READY once that chunk's group has landed (wait_group 1), so the copies of the next chunk are in
+// flight meanwhile, and on the last chunk's after its loop. Plain arrivals after the thread's own
+// waits: the hand-off is the one racecheck and synccheck model. Pass 1 of a segment split (FULL
+// false) sums the segment's log2 decay per key.
 // SWZ: into the swizzled slots that the wgmma state group reads (kSwizzledSlotBytes).
 template <int DK, int NP, bool FULL, int KEYHALF, bool SWZ>
 __device__ __forceinline__ void copy_prepared(const ForwardParams& p, const SegmentArgs& sa, const WsSmem& L,
@@ -273,12 +270,18 @@ __device__ __forceinline__ void copy_prepared(const ForwardParams& p, const Segm
       const bool ok = tid * 4 < p.K;
       cp_async16(smem + L.dfac(slot) + tid * 16, ok ? p.chunk_decay + decay_at + tid * 4 : p.chunk_decay, ok);
     }
-    mbar_track_copies(mbars + 8 * slot);
+    cp_async_commit();
     if (!FULL && tid < DK && tid < p.K) dsum += p.chunk_decay_log2[decay_at + tid];
-    mbar_arrive(mbars + 8 * slot);
+    if (c > c_begin) {
+      cp_async_wait_one();                     // chunk c - 1's copies have landed
+      mbar_arrive(mbars + 8 * ((c - 1) & 1));  // releases them to the state group
+    }
+  }
+  if (c_begin < c_end) {
+    cp_async_wait_all();
+    mbar_arrive(mbars + 8 * ((c_end - 1) & 1));
   }
   if (!FULL && vt == 0 && tid < DK) sa.seg_decay[seg_index * DK + tid] = dsum;
-  cp_async_wait_all();  // no copy outlives its thread (synccheck: "missing wait" otherwise)
 }
 
 // RS: rows per element-wise item. 16: one prep thread per (column pair, sub-chunk). 8 (split
