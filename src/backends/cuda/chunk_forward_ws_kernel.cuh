@@ -23,7 +23,9 @@
 //
 // Scope: DK = BV (64 or 128), 16-bit q/k/v, 16-bit per-key gate or per-head gate, vector loads;
 // both passes of a segment split (pass 1: k, g, v and the state update only); both parts of a key
-// split (KEYHALF below). Everything else runs the single-role kernel (the planner decides).
+// split (KEYHALF below), also with prepared inputs (PREP: the prep group only copies what the intra
+// kernel formed, and on sm_90a the state group's products run on wgmma). Everything else runs the
+// single-role kernel (the planner decides).
 #pragma once
 
 #include <type_traits>
