@@ -445,6 +445,10 @@ class CudaBackend final : public Backend {
                                   "its o into the first's as it stores it)"
                                 : " (A over all keys by a first kernel, then one pass per half, the second half's o "
                                   "summed into the first's by a third kernel)");
+      if (plan.prepared) {
+        s += "; the first kernel also forms qg, kg and the chunk decays once for all " +
+             std::to_string(plan.value_tiles) + " value tiles, which the halves copy (state products on wgmma on sm_90a)";
+      }
     }
     if (plan.max_segments > 1) {
       s += ", sequences " +
