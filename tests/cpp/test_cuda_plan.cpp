@@ -326,6 +326,57 @@ TEST(CudaPlan, KernelNamesAreDistinct) {
   EXPECT_STREQ(cuda::kernel_name(ForwardKernel::kChunkWsSplit).id, "chunk-ws-split");
 }
 
+// The 128-byte-swizzled tile layout of the prepared key split's slots (cuda::detail::sw128_off; the
+// hardware side is checked on a GPU by the harness check's K256 V512 cases). The kernel relies on: a
+// bijection of a 64 x 128 tile onto its 8192 elements; eight columns from a multiple of 8 contiguous
+// (one 16-byte cp.async piece, ldmatrix / stmatrix rows); the eight 16-byte chunks of a row in eight
+// different chunk slots of its 128-byte line; column blocks of 64 8 KB apart; and, read as
+// B[k = row][n = column], the N-major placement that kKgLeadingBytes / kKgStrideBytes describe
+// (8-row atoms 1024 bytes apart along rows, column blocks 8192 apart). The two slots end before the
+// v stages, in both gate layouts, and start on 1024-byte boundaries.
+TEST(CudaLayout, Swizzled128ByteTile) {
+  using cuda::detail::sw128_off;
+  std::vector<int> seen(64 * 128, 0);
+  for (int r = 0; r < 64; ++r) {
+    std::vector<int> slots;
+    for (int c = 0; c < 128; ++c) {
+      const int e = sw128_off(r, c);
+      ASSERT_GE(e, 0);
+      ASSERT_LT(e, 64 * 128);
+      ++seen[e];
+      if (c % 8 != 0) EXPECT_EQ(e, sw128_off(r, c - 1) + 1) << "row " << r << " col " << c;
+      if (c % 8 == 0 && c < 64) slots.push_back((e * 2 / 16) % 8);
+      EXPECT_EQ(e * 2 / 8192, c / 64);  // column block
+      EXPECT_EQ((e * 2 % 8192) / 128, r) << "row's 128-byte line";
+      EXPECT_EQ((e * 2 % 8192) / 1024, r / 8) << "8-row atom";
+    }
+    std::sort(slots.begin(), slots.end());
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(slots[i], i) << "row " << r;
+  }
+  for (int e = 0; e < 64 * 128; ++e) ASSERT_EQ(seen[e], 1) << "element " << e;
+  // A 16-byte chunk column of 8 consecutive rows lies in 8 different chunk slots.
+  for (int r0 = 0; r0 < 64; r0 += 8) {
+    for (int j = 0; j < 16; ++j) {
+      std::vector<int> slots;
+      for (int r = r0; r < r0 + 8; ++r) slots.push_back((sw128_off(r, 8 * j) * 2 / 16) % 8);
+      std::sort(slots.begin(), slots.end());
+      for (int i = 0; i < 8; ++i) EXPECT_EQ(slots[i], i) << "rows " << r0 << ".." << r0 + 7 << ", chunk " << j;
+    }
+  }
+  EXPECT_EQ(cuda::detail::kSwizzledSlotBytes % 1024, 0);
+  EXPECT_EQ(cuda::detail::kSwizzledKg % 1024, 0);
+  EXPECT_EQ(cuda::detail::kSwizzledA % 1024, 0);
+  EXPECT_GE(cuda::detail::kSwizzledKg, 64 * 128 * 2);                        // qg
+  EXPECT_GE(cuda::detail::kSwizzledA - cuda::detail::kSwizzledKg, 64 * 128 * 2);  // kg
+  EXPECT_GE(cuda::detail::kSwizzledSlotBytes - cuda::detail::kSwizzledA, 64 * 64 * 2);  // A
+  for (bool per_head : {false, true}) {
+    const cuda::detail::WsSmem L = cuda::detail::ws_smem_layout(128, per_head, 1);
+    EXPECT_LE(2 * cuda::detail::kSwizzledSlotBytes, L.v0) << "per_head " << per_head;
+    // the second key half's staged o (8 warps x 64 rows x 16 values) in the unused plain qw of slot 0
+    EXPECT_LE(8 * 64 * 16 * 2, L.kw(0) - L.qw(0));
+  }
+}
+
 }  // namespace
 }  // namespace gla::test
 
