@@ -344,7 +344,9 @@ TEST(CudaLayout, Swizzled128ByteTile) {
       ASSERT_GE(e, 0);
       ASSERT_LT(e, 64 * 128);
       ++seen[e];
-      if (c % 8 != 0) EXPECT_EQ(e, sw128_off(r, c - 1) + 1) << "row " << r << " col " << c;
+      if (c % 8 != 0) {
+        EXPECT_EQ(e, sw128_off(r, c - 1) + 1) << "row " << r << " col " << c;
+      }
       if (c % 8 == 0 && c < 64) slots.push_back((e * 2 / 16) % 8);
       EXPECT_EQ(e * 2 / 8192, c / 64);  // column block
       EXPECT_EQ((e * 2 % 8192) / 128, r) << "row's 128-byte line";
