@@ -107,6 +107,15 @@ struct PreparedInputs {
 // floor(bos_n / 64) + n + c (distinct for every chunk: a sequence of len tokens starts the next at
 // bos_n + len, and floor((bos + len) / 64) + 1 >= floor(bos / 64) + ceil(len / 64)).
 constexpr int64_t prepared_chunk_slots(int64_t B, int64_t T, int64_t N) { return B * ((T + 63) / 64) + N + 1; }
+// The prepared inputs' part of a plan's workspace (from ForwardPlan::prepared_offset), in bytes: the
+// decays 2^{b_last}, then b_last, each prepared_chunk_slots * H * K fp32; from `inputs`, qg then kg
+// (B * T * H * K 16-bit each) unless ForwardParams::prepared_qg / prepared_kg place them.
+struct PreparedLayout {
+  size_t decays;   // fp32 values in each decay array
+  size_t inputs;   // offset of qg (256-byte aligned)
+  size_t bytes;    // the part's size
+};
+PreparedLayout prepared_layout(const ForwardParams& p);
 
 // The kernel a plan runs. One name table (kernel_name, plan.cpp) serves the backend's plan note
 // and the harness.

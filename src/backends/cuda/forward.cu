@@ -152,16 +152,14 @@ cudaError_t launch_key_split(const ForwardParams& p, const ForwardPlan& plan, vo
   uint16_t* intra = reinterpret_cast<uint16_t*>(static_cast<char*>(workspace) + plan.intra_offset);
   PreparedInputs prepared{};
   if (plan.prepared) {
-    // plan_forward's layout: the decays, then qg and kg unless ForwardParams::prepared_qg places them.
+    const PreparedLayout layout = prepared_layout(p);
     char* base = static_cast<char*>(workspace) + plan.prepared_offset;
-    const size_t elements = size_t(p.B) * p.T * p.H * p.K;
-    const size_t decays = size_t(prepared_chunk_slots(p.B, p.T, p.N)) * p.H * p.K;
     prepared.decay = reinterpret_cast<float*>(base);
-    prepared.decay_log2 = prepared.decay + decays;
-    uint16_t* inputs = reinterpret_cast<uint16_t*>(base + (2 * decays * sizeof(float) + 255) / 256 * 256);
+    prepared.decay_log2 = prepared.decay + layout.decays;
+    uint16_t* inputs = reinterpret_cast<uint16_t*>(base + layout.inputs);
     const bool placed = p.prepared_qg != nullptr && p.prepared_kg != nullptr;
     prepared.qg = placed ? p.prepared_qg : inputs;
-    prepared.kg = placed ? p.prepared_kg : inputs + elements;
+    prepared.kg = placed ? p.prepared_kg : inputs + size_t(p.B) * p.T * p.H * p.K;
   }
   cudaError_t err = launch_intra_matrix(p, plan.segment_chunks * plan.max_segments, intra, prepared, stream);
   if (err != cudaSuccess) return err;

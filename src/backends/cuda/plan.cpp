@@ -172,6 +172,15 @@ bool key_halves(const ForwardParams& p) { return (p.dtype == kBF16 || p.dtype ==
 
 }  // namespace
 
+PreparedLayout prepared_layout(const ForwardParams& p) {
+  PreparedLayout l{};
+  l.decays = size_t(prepared_chunk_slots(p.B, p.T, p.N)) * p.H * p.K;
+  l.inputs = (2 * l.decays * sizeof(float) + 255) / 256 * 256;
+  const bool placed = p.prepared_qg != nullptr && p.prepared_kg != nullptr;
+  l.bytes = l.inputs + (placed ? 0 : size_t(p.B) * p.T * p.H * p.K * 2 * 2);
+  return l;
+}
+
 size_t forward_shared_bytes(const ForwardParams& p) {
   ForwardParams half = p;
   if (key_halves(p)) half.K = 128;
@@ -196,13 +205,9 @@ ForwardPlan plan_forward(const ForwardParams& p, const int64_t* seq_offsets, int
     // V512: intra 105 -> 139 us, halves 142 / 162 -> 111 / 134 us, 0.415 -> 0.394 ms; K = V = 256,
     // two value tiles: 1.815 -> 1.884 ms, slower).
     if (plan.key_split == 2 && plan.value_tiles >= 4) {
-      // PreparedInputs: the decays, then qg and kg unless the caller places them
-      // (ForwardParams::prepared_qg; launch_key_split's layout).
       plan.prepared = 1;
       plan.prepared_offset = (plan.workspace_bytes + 255) / 256 * 256;
-      const size_t decays = (size_t(prepared_chunk_slots(p.B, p.T, p.N)) * p.H * p.K * 4 * 2 + 255) / 256 * 256;
-      const bool placed = p.prepared_qg != nullptr && p.prepared_kg != nullptr;
-      plan.workspace_bytes = plan.prepared_offset + decays + (placed ? 0 : size_t(p.B) * p.T * p.H * p.K * 2 * 2);
+      plan.workspace_bytes = plan.prepared_offset + prepared_layout(p).bytes;
     }
     return plan;
   }

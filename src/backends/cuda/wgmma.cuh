@@ -29,27 +29,21 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr, uint32_t lbo, uint32
          (uint64_t((sbo >> 4) & 0x3fff) << 32) | (uint64_t(1) << 62);
 }
 
-__device__ __forceinline__ void wg_fence() {
+// A statement on sm_90a only (elsewhere the kernels never reach these wrappers).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#define GLA_ON_SM90A(...) __VA_ARGS__
+#else
+#define GLA_ON_SM90A(...)
 #endif
-}
-__device__ __forceinline__ void wg_commit() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wg_wait_all() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
+__device__ __forceinline__ void wg_fence() { GLA_ON_SM90A(asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");) }
+__device__ __forceinline__ void wg_commit() { GLA_ON_SM90A(asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");) }
+__device__ __forceinline__ void wg_wait_all() { GLA_ON_SM90A(asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");) }
 // Generic-proxy shared-memory writes made visible to wgmma's async-proxy reads.
 __device__ __forceinline__ void fence_proxy_async_smem() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+  GLA_ON_SM90A(asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");)
 }
+#undef GLA_ON_SM90A
+
 // Register operands of an in-flight wgmma: the compiler must neither move reads of the
 // accumulators above the wait nor reuse the A registers before it (it does not know the
 // instruction is asynchronous); an empty asm that "modifies" them after the wait pins both.
