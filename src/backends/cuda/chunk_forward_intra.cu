@@ -228,7 +228,9 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
     if (prepared.qg != nullptr) {
       // qg = qloc 2^{pre}, kg = kloc 2^{post} (the warp-specialised kernel's two roundings), row by
       // row in 16-byte pieces: qg and kg have q's layout, with rows counted like `intra`'s.
-      __syncthreads();  // the factors are written
+      __syncthreads();  // the factors are written, and every read of the stage is done
+      // The next slice's loads fly under this pass (it reads qloc, kloc and the factors only).
+      if (STAGES == 1 && sl + 1 < slices) issue_slice(sl + 1, 0);
       const int64_t row0 = (seq.batch * p.T + seq.bos + c * kChunk) * p.H + h;
       for (int i = tid; i < 2 * kChunk * (kSlice / 8); i += NT) {
         const bool is_k = i >= kChunk * (kSlice / 8);
@@ -248,7 +250,7 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
         *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
       }
     }
-    if (STAGES == 1 && sl + 1 < slices) {
+    if (STAGES == 1 && sl + 1 < slices && prepared.qg == nullptr) {
       __syncthreads();  // every read of the stage is done
       issue_slice(sl + 1, 0);
     }

@@ -273,11 +273,12 @@ __device__ __forceinline__ void copy_prepared(const ForwardParams& p, const Segm
       cp_async16(smem + L.dfac(slot) + tid * 16, ok ? p.chunk_decay + decay_at + tid * 4 : p.chunk_decay, ok);
     }
     cp_async_commit();
-    if (!FULL && tid < DK && tid < p.K) dsum += p.chunk_decay_log2[decay_at + tid];
     if (c > c_begin) {
       cp_async_wait_one();                     // chunk c - 1's copies have landed
       mbar_arrive(mbars + 8 * ((c - 1) & 1));  // releases them to the state group
     }
+    // After the arrival: this load's latency would otherwise hold it back (B1 T32768 H4 K256 V512).
+    if (!FULL && tid < DK && tid < p.K) dsum += p.chunk_decay_log2[decay_at + tid];
   }
   if (c_begin < c_end) {
     cp_async_wait_all();
