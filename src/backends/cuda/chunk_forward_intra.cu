@@ -8,14 +8,20 @@
 // kIntraStages stages), each slice in two phases between barriers:
 //   1. element-wise, one thread per (key, sub-chunk): the factors e_u = 2^{g_u log2 e}, the
 //      sub-chunk totals, and the pivoted copies qloc = q 2^{c}, kloc = k 2^{Tot - c} (c the inclusive
-//      cumsum inside the sub-chunk) into buffers of their own, so the raw q and k stay for phase 2;
+//      cumsum inside the sub-chunk) into buffers of their own; then, where every |c_r - c_7| of the
+//      slice is at most kOnePivotRange (a CTA-wide vote), the diagonal's one-pivot copies
+//      q 2^{c_t - c_7} and k 2^{c_7 - c_s} as high and low bf16 parts (high over the raw q and k,
+//      low in e's space), else e for the element-wise form;
 //   2. the slice's terms added to fp32 registers: the off-diagonal 16x16 blocks on tensor cores from
 //      qloc/kloc as the chunk kernels form them (offdiag_accumulate; every row of such a block sums
-//      16+ terms) on warps 0..5, and on every warp the 16x16 diagonal blocks element-wise in fp32
+//      16+ terms) on warps 0..5, and the 16x16 diagonal blocks either on tensor cores from the
+//      one-pivot copies (hi·hi + hi·lo + lo·hi, an m16n8 fragment per warp) or element-wise in fp32
 //      (SPEC.md 3.2): A[t, s] = sum_k q_tk (k_sk F_tk) with F the running product of e_u, u = s+1..t
-//      (each <= 1, no exponent per pair). The pivot-level copies the chunk kernels use there are
-//      rounded to 16 bits, which left the first rows of a sequence (one to three terms each) 1-2%
-//      off where q.k nearly cancels.
+//      (each <= 1, no exponent per pair), summed per slice into a shared fp32 tile. A diagonal from
+//      copies rounded once to 16 bits (the chunk kernels' pivot levels) left the first rows of a
+//      sequence (one to three terms each) 1-2% off where q.k nearly cancels; the high and low parts
+//      keep ~2^-16 per term. The tensor-core form: B8 T2048 H4 K256 V512 forward 0.330 -> 0.317 ms,
+//      B8 T4096 H16 K = V = 256 1.84 -> 1.73 ms (H100 harness).
 #include "backends/cuda/chunk_forward_kernel.cuh"
 #include "backends/cuda/chunk_forward.hpp"
 #include "backends/cuda/kernel_attributes.cuh"
@@ -25,6 +31,10 @@ namespace {
 
 constexpr int kIntraThreads = 256;
 constexpr int kSlice = kIntraSliceKeys;
+// A slice's diagonal blocks take one pivot (row 7 of each sub-chunk) when every |c_r - c_7| is at
+// most this (c the sub-chunk's inclusive log2 cumsum): the copies' factors stay within 2^±32, far
+// inside bf16's range; their products q_t k_s 2^{b_t - b_s} do not grow at all.
+constexpr float kOnePivotRange = 32.0f;
 
 template <typename E, int STAGES>
 __global__ void __launch_bounds__(kIntraThreads, STAGES == 1 ? 3 : 2)
@@ -45,6 +55,9 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   uint16_t* kloc = reinterpret_cast<uint16_t*>(smem + L.kloc);
   float* es = reinterpret_cast<float*>(smem + L.e);
   float* tot = reinterpret_cast<float*>(smem + L.tot);
+  // The one-pivot diagonal's low parts, in e's space: [64][pq] each for q and k.
+  uint16_t* q_low = reinterpret_cast<uint16_t*>(smem + L.e);
+  uint16_t* k_low = q_low + kChunk * L.pq;
 
   // One slice of q, k, g into a stage; keys past K and rows past the sequence read 0 (gate 0: factor 1).
   const int64_t esz = 2;  // signed: time strides may be negative (the backward's reversed forward)
@@ -121,35 +134,43 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   const int dsub = tid >> 6, sp = (tid >> 3) & 7, cg = tid & 7, col = cg * 2;
   auto key_col = [&](int j) { return col + 8 * j; };  // j = 0, 2, 4, 6: the pair's first key
   const int first_rows = 16 - sp;
-  float dacc[17];
-#pragma unroll
-  for (int i = 0; i < 17; ++i) dacc[i] = 0.f;
+  // The element-wise slices' sums of the pairs t >= s, per diagonal block [4][16][16] (each pair
+  // owned by one lane: no race, a fixed order).
+  float* diagonal = reinterpret_cast<float*>(smem + L.diagonal);
+  for (int i = tid; i < 4 * 16 * 16; i += NT) diagonal[i] = 0.f;  // ordered by the loop's first barrier
   // Off-diagonal blocks (i, j) on warps 0..5: (1,0) (2,1) (3,2) (2,0) (3,1) (3,0), as nibbles.
   const int bi = (0x332321 >> (4 * (warp % 6))) & 15, bj = (0x010210 >> (4 * (warp % 6))) & 15;
   float oacc[2][2][4] = {};
+  // One-pivot diagonal on tensor cores: warp w forms rows 16 (w & 3) .. + 15, columns 8 (w >> 2) .. + 7
+  // of its sub-chunk's diagonal block (an m16n8 C fragment, over every slice that takes this form).
+  const int tblk = warp & 3, tcol = 8 * (warp >> 2);
+  float tacc[4] = {0.f, 0.f, 0.f, 0.f};
 
   const int slices = static_cast<int>((p.K + kSlice - 1) / kSlice);
   issue_slice(0, 0);
   for (int sl = 0; sl < slices; ++sl) {
     const int stage = STAGES == 1 ? 0 : (sl & 1);
     unsigned char* st = smem + stage * L.stage_bytes;
-    const uint16_t* qs = reinterpret_cast<const uint16_t*>(st + L.q);
-    const uint16_t* ks = reinterpret_cast<const uint16_t*>(st + L.k);
+    uint16_t* qs = reinterpret_cast<uint16_t*>(st + L.q);
+    uint16_t* ks = reinterpret_cast<uint16_t*>(st + L.k);
     const unsigned char* gs = st + L.g;
     cp_async_wait_all();
     __syncthreads();  // slice sl landed; the previous slice's readers of qloc, kloc, e, tot (and its stage) are done
     if (STAGES == 2 && sl + 1 < slices) issue_slice(sl + 1, (sl + 1) & 1);
 
     // ---- phase 1: e, the sub-chunk totals, qloc and kloc of one (key, sub-chunk) ----
+    bool one_pivot;
     {
-      float e[16], total = 0.f;
+      float e[16], total = 0.f, c7 = 0.f, cmax = 0.f, cmin = 0.f;
 #pragma unroll
       for (int r = 0; r < 16; ++r) {
         const int t = esub * 16 + r;
         const float g = gate_log2<X>(gs, t, ecol, L.pg, per_head, gate_bytes);
         total += g;
+        if (r == 7) c7 = total;
+        cmax = r == 0 ? total : fmaxf(cmax, total);
+        cmin = r == 0 ? total : fminf(cmin, total);
         e[r] = fast_exp2(g);
-        es[t * L.pe + ecol] = e[r];
       }
       tot[esub * kSlice + ecol] = total;
       float f = 1.f;
@@ -166,8 +187,30 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
         kloc[at] = X::from_float(X::to_float(ks[at]) * f);
         f *= e[r];
       }
+      // The whole CTA takes one form of this slice's diagonal (false for a NaN or infinite gate).
+      one_pivot = __syncthreads_and(cmax - c7 <= kOnePivotRange && c7 - cmin <= kOnePivotRange);
+      if (one_pivot) {
+        // In place, each thread its own entries: q 2^{c_t - c_7} and k 2^{c_7 - c_s} as bf16 high
+        // parts over the raw q and k, the low parts in e's space (unused by this form).
+        float c = 0.f;
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          const int t = esub * 16 + r, at = t * L.pq + ecol;
+          c += gate_log2<X>(gs, t, ecol, L.pg, per_head, gate_bytes);
+          const float d = c - c7;
+          const float xq = X::to_float(qs[at]) * fast_exp2(d), xk = X::to_float(ks[at]) * fast_exp2(-d);
+          const uint16_t hq = Elem<__nv_bfloat16>::from_float(xq), hk = Elem<__nv_bfloat16>::from_float(xk);
+          qs[at] = hq;
+          ks[at] = hk;
+          q_low[at] = Elem<__nv_bfloat16>::from_float(xq - Elem<__nv_bfloat16>::to_float(hq));
+          k_low[at] = Elem<__nv_bfloat16>::from_float(xk - Elem<__nv_bfloat16>::to_float(hk));
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < 16; ++r) es[(esub * 16 + r) * L.pe + ecol] = e[r];
+      }
     }
-    __syncthreads();  // e, the totals, qloc and kloc are written
+    __syncthreads();  // e or the copies, the totals, qloc and kloc are written
 
     // ---- phase 2: the off-diagonal blocks from qloc/kloc, the diagonal blocks from raw q, k ----
     if (warp < 6) offdiag_accumulate<kSlice, X>(oacc, qloc, kloc, L.pq, tot, bi, bj, lane);
@@ -192,7 +235,30 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
         prepared.decay_log2[at] = total;
       }
     }
-    {
+    if (one_pivot) {
+      // A_ii += Q'_i K'_iᵀ over the slice's keys, Q' = q 2^{c_t - c_7} and K' = k 2^{c_7 - c_s} as
+      // high + low bf16 parts (hi·hi + hi·lo + lo·hi: ~2^-16 relative per term, like the fp32 form
+      // below to within the one rounding of A to 16 bits).
+      using B16 = Elem<__nv_bfloat16>;
+      const int mi = lane >> 3;
+      const int a_at = (16 * tblk + (lane & 7) + (mi & 1) * 8) * L.pq + (mi >> 1) * 8;
+      const int b_at = (16 * tblk + tcol + (lane & 7)) * L.pq + mi * 8;
+#pragma unroll
+      for (int kp = 0; kp < kSlice / 32; ++kp) {
+        uint32_t bh[4], bl[4];
+        ldsm_x4(bh, ks + b_at + 32 * kp);
+        ldsm_x4(bl, k_low + b_at + 32 * kp);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t ah[4], al[4];
+          ldsm_x4(ah, qs + a_at + 32 * kp + 16 * half);
+          ldsm_x4(al, q_low + a_at + 32 * kp + 16 * half);
+          B16::mma(tacc, ah, bh[2 * half], bh[2 * half + 1]);
+          B16::mma(tacc, ah, bl[2 * half], bl[2 * half + 1]);
+          B16::mma(tacc, al, bh[2 * half], bh[2 * half + 1]);
+        }
+      }
+    } else {
       // kf: k_s times the running product of the factors (one multiply per key and row, and the
       // product with q_t is the FMA itself).
       float kf[8];
@@ -222,7 +288,9 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
           sum = fmaf(qq.x, kf[j], sum);
           sum = fmaf(qq.y, kf[j + 1], sum);
         }
-        dacc[i] += sum;
+#pragma unroll
+        for (int o = 4; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (cg == 0) diagonal[trow * 16 + s] += sum;
       }
     }
     if (prepared.qg != nullptr) {
@@ -264,19 +332,16 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
     if (cc >= (r & ~15)) reinterpret_cast<uint32_t*>(As)[i] = 0u;  // the diagonal blocks and right of them
   }
   __syncthreads();
-  {
-    int s = sp;
+  if (warp < 6) offdiag_store<X>(As, L.pa, oacc, bi, bj, lane);
+  __syncthreads();
+  // Plus the tensor-core part, rounded to 16 bits once.
 #pragma unroll
-    for (int i = 0; i < 17; ++i) {
-      if (i == first_rows) s = 15 - sp;
-      const int t = i < first_rows ? sp + i : s + (i - first_rows);
-      float sum = dacc[i];
-#pragma unroll
-      for (int o = 4; o >= 1; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if (cg == 0) As[(dsub * 16 + t) * L.pa + dsub * 16 + s] = X::from_float(sum);
+  for (int e = 0; e < 4; ++e) {
+    const int t = (lane >> 2) + 8 * (e >> 1), s = tcol + 2 * (lane & 3) + (e & 1);
+    if (t >= s) {
+      As[(16 * tblk + t) * L.pa + 16 * tblk + s] = X::from_float(tacc[e] + diagonal[(16 * tblk + t) * 16 + s]);
     }
   }
-  if (warp < 6) offdiag_store<X>(As, L.pa, oacc, bi, bj, lane);
   __syncthreads();
 
   // Rows of A (64 values, 8 pieces of 16 bytes) to global memory.

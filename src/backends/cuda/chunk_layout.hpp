@@ -96,6 +96,7 @@ struct IntraSmem {
   int stage_bytes;
   int qloc, kloc, e, tot, a;  // after the stages (a == e)
   int factors;                // the prepared inputs' sub-chunk factors 2^{pre}, 2^{post} [2][4][64] fp32
+  int diagonal;               // the element-wise diagonal blocks' sums [4][16][16] fp32
   int total;
 };
 constexpr int kIntraSliceKeys = 64;
@@ -117,7 +118,8 @@ GLA_HD inline IntraSmem intra_smem_layout(int stages, int gate_bytes) {
   s.a = s.e;
   s.tot = s.e + kChunk * s.pe * 4;
   s.factors = s.tot + 4 * kIntraSliceKeys * 4;
-  s.total = s.factors + 2 * 4 * kIntraSliceKeys * 4;
+  s.diagonal = s.factors + 2 * 4 * kIntraSliceKeys * 4;
+  s.total = s.diagonal + 4 * 16 * 16 * 4;
   return s;
 }
 
