@@ -61,6 +61,40 @@ constexpr float kOnePivotRange = 24.0f;
 // pivot at the last row of the first half of its 2H-row group); 4 (none) for t <= s.
 __device__ __forceinline__ int pivot_level(int t, int s) { return t > s ? 31 - __clz(t ^ s) : 4; }
 
+// A diagonal block's two products over a warp's 32 columns: accq = M · (dq_copy rows 0..15) and
+// acck = Mᵀ · (dk_copy rows 0..15), M the masked 16 x 16 block of dA (kLdLevel pitch), plus the
+// copies' low parts 16 rows below each when SPLIT. The caller wrote the copies before; __syncwarp
+// here orders them before the reads.
+template <typename X, bool SPLIT>
+__device__ __forceinline__ void masked_diagonal_products(float (&accq)[4][4], float (&acck)[4][4], const uint16_t* masked,
+                                                         const uint16_t* dq_copy, const uint16_t* dk_copy, int lane) {
+  const int mi = lane >> 3;
+  const int a_row = (lane & 7) + (mi & 1) * 8, a_col = (mi >> 1) * 8;
+  const int b_row = (lane & 7) + (mi >> 1) * 8, b_col = (mi & 1) * 8;
+  uint32_t aq[4], ak[4];
+  detail::ldsm_x4(aq, masked + a_row * kLdLevel + a_col);
+  detail::ldsm_x4_trans(ak, masked + b_row * kLdLevel + b_col);
+  __syncwarp();
+#pragma unroll
+  for (int np = 0; np < 2; ++np) {
+    uint32_t bb[4];
+    detail::ldsm_x4_trans(bb, dq_copy + a_row * kLdCopy + 16 * np + a_col);
+    X::mma_first(accq[2 * np], aq, bb[0], bb[1]);
+    X::mma_first(accq[2 * np + 1], aq, bb[2], bb[3]);
+    detail::ldsm_x4_trans(bb, dk_copy + a_row * kLdCopy + 16 * np + a_col);
+    X::mma_first(acck[2 * np], ak, bb[0], bb[1]);
+    X::mma_first(acck[2 * np + 1], ak, bb[2], bb[3]);
+    if constexpr (SPLIT) {
+      detail::ldsm_x4_trans(bb, dq_copy + (16 + a_row) * kLdCopy + 16 * np + a_col);
+      X::mma(accq[2 * np], aq, bb[0], bb[1]);
+      X::mma(accq[2 * np + 1], aq, bb[2], bb[3]);
+      detail::ldsm_x4_trans(bb, dk_copy + (16 + a_row) * kLdCopy + 16 * np + a_col);
+      X::mma(acck[2 * np], ak, bb[0], bb[1]);
+      X::mma(acck[2 * np + 1], ak, bb[2], bb[3]);
+    }
+  }
+}
+
 struct DqkValueTiles {
   alignas(128) uint16_t dO[kChunk * kLd16];
   alignas(128) uint16_t v[kChunk * kLd16];
@@ -467,30 +501,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         }
       }
     }
-    uint32_t aq[4], ak[4];
-    const uint16_t* masked = sh.u.after.level_dA[blk][kOnePivot];
-    ldsm_x4(aq, masked + a_row * kLdLevel + a_col);
-    ldsm_x4_trans(ak, masked + b_row * kLdLevel + b_col);
-    __syncwarp();
     float accq[4][4], acck[4][4];
-#pragma unroll
-    for (int np = 0; np < 2; ++np) {
-      uint32_t bb[4];
-      ldsm_x4_trans(bb, copy + a_row * kLdCopy + 16 * np + a_col);
-      X::mma_first(accq[2 * np], aq, bb[0], bb[1]);
-      X::mma_first(accq[2 * np + 1], aq, bb[2], bb[3]);
-      ldsm_x4_trans(bb, copy + (32 + a_row) * kLdCopy + 16 * np + a_col);
-      X::mma_first(acck[2 * np], ak, bb[0], bb[1]);
-      X::mma_first(acck[2 * np + 1], ak, bb[2], bb[3]);
-      if constexpr (kSplitCopies) {
-        ldsm_x4_trans(bb, copy + (16 + a_row) * kLdCopy + 16 * np + a_col);
-        X::mma(accq[2 * np], aq, bb[0], bb[1]);
-        X::mma(accq[2 * np + 1], aq, bb[2], bb[3]);
-        ldsm_x4_trans(bb, copy + (48 + a_row) * kLdCopy + 16 * np + a_col);
-        X::mma(acck[2 * np], ak, bb[0], bb[1]);
-        X::mma(acck[2 * np + 1], ak, bb[2], bb[3]);
-      }
-    }
+    masked_diagonal_products<X, kSplitCopies>(accq, acck, sh.u.after.level_dA[blk][kOnePivot], copy, copy + 32 * kLdCopy, lane);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
 #pragma unroll
@@ -531,28 +543,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         }
       }
       // dA_{blk,blk} masked to the level's pairs (rows t, columns s) for dq, and its transpose for dk.
-      uint32_t aq[4], ak[4];
-      const uint16_t* masked = sh.u.after.level_dA[blk][level];
-      ldsm_x4(aq, masked + a_row * kLdLevel + a_col);
-      ldsm_x4_trans(ak, masked + b_row * kLdLevel + b_col);
-      __syncwarp();
       float accq[4][4], acck[4][4];
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bb[4];
-        ldsm_x4_trans(bb, copy + a_row * kLdCopy + 16 * np + a_col);
-        X::mma_first(accq[2 * np], aq, bb[0], bb[1]);
-        X::mma_first(accq[2 * np + 1], aq, bb[2], bb[3]);
-        X::mma_first(acck[2 * np], ak, bb[0], bb[1]);
-        X::mma_first(acck[2 * np + 1], ak, bb[2], bb[3]);
-        if constexpr (kSplitCopies) {
-          ldsm_x4_trans(bb, copy + (16 + a_row) * kLdCopy + 16 * np + a_col);
-          X::mma(accq[2 * np], aq, bb[0], bb[1]);
-          X::mma(accq[2 * np + 1], aq, bb[2], bb[3]);
-          X::mma(acck[2 * np], ak, bb[0], bb[1]);
-          X::mma(acck[2 * np + 1], ak, bb[2], bb[3]);
-        }
-      }
+      masked_diagonal_products<X, kSplitCopies>(accq, acck, sh.u.after.level_dA[blk][level], copy, copy, lane);
       // Rows outside the level's second (dq) or first (dk) halves got 0 from the masked dA.
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
