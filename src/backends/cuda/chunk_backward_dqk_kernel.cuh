@@ -574,33 +574,75 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     }
   }
 
-  // ---- dq and dk out, straight from the fragments ----
+  // ---- dq and dk out ----
+  if (p.vector_dqk) {
+    // Through the warp's copy buffer (its products are done): rows 0-15 dq, 16-31 dk as 16 x 32
+    // tiles, then 16-byte stores, each output row's 64 bytes by four lanes of one instruction.
+    // From the fragments, 32-bit stores fill half of each 32-byte sector per instruction.
+    __syncwarp();  // every lane's reads of the copies are done
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int t = row0 + fr + 8 * hr;
-    if (t >= rows) continue;
-    const int64_t tok = ch.t0 + t;
+    for (int out = 0; out < 2; ++out) {
+      const float(&frag)[4][4] = out == 0 ? dq : dk;
+      uint16_t* tile = copy + 16 * out * kLdCopy;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // stmatrix: matrix m of an instruction is the 8 x 8 fragment (n = 2 np + m / 2, rows 8 (m % 2) ..)
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int c = col_of(n);
-      if (c >= kv) continue;
-      const bool second = c + 1 < kv;
-      if (p.dq != nullptr) {
-        uint16_t* out = static_cast<uint16_t*>(p.dq) + ch.batch * p.dq_stride[0] + tok * p.dq_stride[1] +
-                        h * p.dq_stride[2] + k0 + c;
-        if (p.vector_dqk) {
-          *reinterpret_cast<uint32_t*>(out) = X::pack(dq[n][2 * hr], dq[n][2 * hr + 1]);
-        } else {
+      for (int np = 0; np < 2; ++np) {
+        const int m = lane >> 3, n = 2 * np + (m >> 1);
+        const uint32_t dst = detail::smem_addr(tile + (8 * (m & 1) + (lane & 7)) * kLdCopy + 8 * n);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst),
+                     "r"(X::pack(frag[2 * np][0], frag[2 * np][1])), "r"(X::pack(frag[2 * np][2], frag[2 * np][3])),
+                     "r"(X::pack(frag[2 * np + 1][0], frag[2 * np + 1][1])),
+                     "r"(X::pack(frag[2 * np + 1][2], frag[2 * np + 1][3]))
+                     : "memory");
+      }
+#else
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          *reinterpret_cast<uint32_t*>(tile + (fr + 8 * hr) * kLdCopy + 8 * n + fc) =
+              X::pack(frag[n][2 * hr], frag[n][2 * hr + 1]);
+        }
+      }
+#endif
+    }
+    __syncwarp();
+#pragma unroll
+    for (int out = 0; out < 2; ++out) {
+      void* base = out == 0 ? p.dq : p.dk;
+      if (base == nullptr) continue;
+      const int64_t* stride = out == 0 ? p.dq_stride : p.dk_stride;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int piece = 32 * i + lane, r = piece >> 2, c = col0 + 8 * (piece & 3);
+        if (row0 + r < rows && c < kv) {
+          uint16_t* dst = static_cast<uint16_t*>(base) + ch.batch * stride[0] + (ch.t0 + row0 + r) * stride[1] +
+                          h * stride[2] + k0 + c;
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(copy + (16 * out + r) * kLdCopy + c - col0);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int t = row0 + fr + 8 * hr;
+      if (t >= rows) continue;
+      const int64_t tok = ch.t0 + t;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const int c = col_of(n);
+        if (c >= kv) continue;
+        const bool second = c + 1 < kv;
+        if (p.dq != nullptr) {
+          uint16_t* out = static_cast<uint16_t*>(p.dq) + ch.batch * p.dq_stride[0] + tok * p.dq_stride[1] +
+                          h * p.dq_stride[2] + k0 + c;
           out[0] = X::from_float(dq[n][2 * hr]);
           if (second) out[1] = X::from_float(dq[n][2 * hr + 1]);
         }
-      }
-      if (p.dk != nullptr) {
-        uint16_t* out = static_cast<uint16_t*>(p.dk) + ch.batch * p.dk_stride[0] + tok * p.dk_stride[1] +
-                        h * p.dk_stride[2] + k0 + c;
-        if (p.vector_dqk) {
-          *reinterpret_cast<uint32_t*>(out) = X::pack(dk[n][2 * hr], dk[n][2 * hr + 1]);
-        } else {
+        if (p.dk != nullptr) {
+          uint16_t* out = static_cast<uint16_t*>(p.dk) + ch.batch * p.dk_stride[0] + tok * p.dk_stride[1] +
+                          h * p.dk_stride[2] + k0 + c;
           out[0] = X::from_float(dk[n][2 * hr]);
           if (second) out[1] = X::from_float(dk[n][2 * hr + 1]);
         }

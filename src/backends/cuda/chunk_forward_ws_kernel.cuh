@@ -148,6 +148,38 @@ __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t*
 #endif
 }
 
+// ForwardParams::chunk_states through this warp's own 64 x 16 columns of a staging tile (`stage`,
+// pitch `pitch`, columns vrow .. vrow + 15; the caller's are free): 64 keys at a time, S^T rounded
+// to bf16 and transposed by stage_o_tile into key rows of 16 values, then one 16-byte store per
+// (key, value half), so each key's 32-byte sector is written whole by one instruction. The paired
+// 32-bit stores write half sectors and are a quarter as wide. Bitwise the same entries. Needs
+// chunk_states 16-byte aligned (the caller checks) and V a multiple of 8.
+template <int DK>
+__device__ __forceinline__ void store_chunk_state_staged(const float (&S)[DK / 8][4], const ForwardParams& p, int64_t n,
+                                                         int64_t bos, int64_t c, int64_t h, int64_t v0, int vrow,
+                                                         int lane, uint16_t* stage, int pitch) {
+  static_assert(DK % 64 == 0, "64 keys per pass");
+  const int64_t* st = p.chunk_states_stride;
+  uint16_t* block = p.chunk_states + chunk_state_first(p, n, bos) * st[0] + c * st[1] + h * st[2] + v0 + vrow;
+  const bool values_lo = v0 + vrow < p.V, values_hi = v0 + vrow + 8 < p.V;
+#pragma unroll
+  for (int pass = 0; pass < DK / 64; ++pass) {
+    if (pass > 0) __syncwarp();  // the previous pass's rows are read
+    stage_o_tile<Elem<__nv_bfloat16>>(*reinterpret_cast<const float(*)[8][4]>(&S[8 * pass][0]), stage, pitch, vrow,
+                                      lane, 1.0f);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1, key = 64 * pass + r;
+      if (key < p.K && (half ? values_hi : values_lo)) {
+        *reinterpret_cast<uint4*>(block + key * st[3] + half * 8) =
+            *reinterpret_cast<const uint4*>(stage + r * pitch + vrow + half * 8);
+      }
+    }
+  }
+  __syncwarp();  // the rows are read before the caller writes the columns again
+}
+
 // The state group's products on wgmma (the prepared key split's full pass on sm_90a): o^T = V^T A^T
 // (A_TERM) + S^T qg^T, then S^T = S^T diag(2^{b_last}) + V^T kg, for this warp group's 64 value
 // rows. The registers are the mma.sync path's (acc: o^T's eight n8 tiles, S: S^T's DK/8), which
@@ -820,6 +852,21 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
     float S[NKT][4];
     load_initial_state<DK, BV>(S, p, sa, full, n, m, h, v0, vrow, lane);
+    // The chunk-start states: staged through shared memory into whole-sector 16-byte stores where
+    // chunk_states allows them, else paired 32-bit stores from the fragments. The stage is this
+    // warp's columns of the v stage (dead from load_v_fragments to stage_o_tile), or with the
+    // swizzled slots the plain layout's unused kw(0) tile.
+    const int64_t* cst = p.chunk_states_stride;
+    const bool staged_states = (reinterpret_cast<uintptr_t>(p.chunk_states) & 15) == 0 && p.V % 8 == 0 &&
+                               (cst[0] | cst[1] | cst[2] | cst[3]) % 8 == 0;
+    uint16_t* state_stage = reinterpret_cast<uint16_t*>(smem + L.kw(0));
+    auto store_state_block = [&](int64_t chunk, uint16_t* stage, int pitch) {
+      if (staged_states) {
+        store_chunk_state_staged<DK>(S, p, n, seq.bos, chunk, h, v0, vrow, lane, stage, pitch);
+      } else {
+        store_chunk_state_paired<DK>(S, p, n, seq.bos, chunk, h, v0, vrow, lane);
+      }
+    };
 
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int slot = static_cast<int>(c & 1);
@@ -843,12 +890,12 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       // The first key half has no intra-chunk term (its A slots stay zero): its 20 A v mmas skipped.
       if constexpr (kSwz) {
         fence_proxy_async_smem();  // the slot's copies (generic proxy) before wgmma's reads (async proxy)
-        if (store_state) store_chunk_state_paired<DK>(S, p, n, seq.bos, c, h, v0, vrow, lane);
+        if (store_state) store_state_block(c, state_stage, L.pq);
         const uint32_t slot_addr = smem_addr(smem) + slot * kSwizzledSlotBytes;
         wg_state_products<DK, X, KEYHALF == 2>(acc, S, vf, slot_addr, slot_addr + kSwizzledA, slot_addr + kSwizzledKg,
                                                dfac, vs, L.pv, vrow, lane, p.scale);
       } else if constexpr (kProductsBranch) {
-        if (store_state) store_chunk_state_paired<DK>(S, p, n, seq.bos, c, h, v0, vrow, lane);
+        if (store_state) store_state_block(c, vs, L.pv);
         if (rows > 0) {  // always: kProductsBranch says why
           if (full) o_tile<DK, X, true>(acc, S, vf, qw, L.pq, As, L.pa, lane);
           state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
@@ -859,8 +906,8 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         if (full) o_tile<DK, X, KEYHALF != 1>(acc, S, vf, qw, L.pq, As, L.pa, lane);
         state_update<DK, X, true>(S, vf, kw, L.pq, dfac, lane, store);
       } else {
+        if (store_state) store_state_block(c, vs, L.pv);
         if (full) o_tile<DK, X, KEYHALF != 1>(acc, S, vf, qw, L.pq, As, L.pa, lane);
-        if (store_state) store_chunk_state_paired<DK>(S, p, n, seq.bos, c, h, v0, vrow, lane);
         state_update<DK, X>(S, vf, kw, L.pq, dfac, lane);
       }
       // Done with the slot (the wgmma state group: after its S^T update, below).
