@@ -47,10 +47,17 @@ for label, B, T, H, K, V, cu in CASES:
         r[name] = (timed(fn, leaves, 0), timed(fn, leaves, 2_000_000))
     # host wall of the pieces (GPU kept busy by a spin so nothing waits)
     hw = {"fwd": [], "bwd": []}
+    # cudaMalloc calls of the caching allocator during these calls (a new segment per call would be
+    # ~100 us of host time each)
+    mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
     for i in range(30):
         clear_grads(leaves); torch.cuda.synchronize(); torch.cuda._sleep(4_000_000)
         t0 = time.perf_counter(); o, _ = gla.chunk_gla(*leaves, cu_seqlens=cu_t, cu_seqlens_cpu=cu_cpu)
         t1 = time.perf_counter(); o.backward(do); t2 = time.perf_counter()
         torch.cuda.synchronize()
         hw["fwd"].append((t1 - t0) * 1e6); hw["bwd"].append((t2 - t1) * 1e6)
-    print(f"{label:36s} fwd+bwd sync {r['fwd+bwd'][0]:.3f} host-ahead {r['fwd+bwd'][1]:.3f} | fwd sync {r['fwd'][0]:.3f} host-ahead {r['fwd'][1]:.3f} | host us: fwd {statistics.median(hw['fwd']):.0f} bwd {statistics.median(hw['bwd']):.0f}", flush=True)
+    mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - mallocs
+    print(f"{label:36s} fwd+bwd sync {r['fwd+bwd'][0]:.3f} host-ahead {r['fwd+bwd'][1]:.3f} | "
+          f"fwd sync {r['fwd'][0]:.3f} host-ahead {r['fwd'][1]:.3f} | "
+          f"host us: fwd {statistics.median(hw['fwd']):.0f} bwd {statistics.median(hw['bwd']):.0f} | "
+          f"cudaMalloc calls in 30 fwd+bwd: {mallocs}", flush=True)
