@@ -589,12 +589,9 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
         const int m = lane >> 3, n = 2 * np + (m >> 1);
-        const uint32_t dst = detail::smem_addr(tile + (8 * (m & 1) + (lane & 7)) * kLdCopy + 8 * n);
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst),
-                     "r"(X::pack(frag[2 * np][0], frag[2 * np][1])), "r"(X::pack(frag[2 * np][2], frag[2 * np][3])),
-                     "r"(X::pack(frag[2 * np + 1][0], frag[2 * np + 1][1])),
-                     "r"(X::pack(frag[2 * np + 1][2], frag[2 * np + 1][3]))
-                     : "memory");
+        detail::stsm_x4(tile + (8 * (m & 1) + (lane & 7)) * kLdCopy + 8 * n, X::pack(frag[2 * np][0], frag[2 * np][1]),
+                        X::pack(frag[2 * np][2], frag[2 * np][3]), X::pack(frag[2 * np + 1][0], frag[2 * np + 1][1]),
+                        X::pack(frag[2 * np + 1][2], frag[2 * np + 1][3]));
       }
 #else
 #pragma unroll

@@ -125,14 +125,11 @@ __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t*
 #pragma unroll
   for (int np = 0; np < 4; ++np) {
     const int nt = 2 * np + (mi >> 1), half = mi & 1;
-    const uint32_t dst = smem_addr(vs + (nt * 8 + j) * pv + vrow + half * 8);
     const uint32_t r0 = X::pack(acc[2 * np][0] * sc, acc[2 * np][1] * sc);
     const uint32_t r1 = X::pack(acc[2 * np][2] * sc, acc[2 * np][3] * sc);
     const uint32_t r2 = X::pack(acc[2 * np + 1][0] * sc, acc[2 * np + 1][1] * sc);
     const uint32_t r3 = X::pack(acc[2 * np + 1][2] * sc, acc[2 * np + 1][3] * sc);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(r0), "r"(r1),
-                 "r"(r2), "r"(r3)
-                 : "memory");
+    stsm_x4_trans(vs + (nt * 8 + j) * pv + vrow + half * 8, r0, r1, r2, r3);
   }
 #else
   const int fr = lane >> 2, fc = fc_of(lane);

@@ -1,5 +1,5 @@
 // Small device helpers shared by the CUDA backend's kernels: element conversions, tensor-core
-// fragments (mma.sync m16n8k16, ldmatrix), cp.async and fast exp2.
+// fragments (mma.sync m16n8k16, ldmatrix, stmatrix), cp.async and fast exp2.
 #pragma once
 
 #include <cstdint>
@@ -121,6 +121,18 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+}
+// Four 8x8 b16 matrices to shared memory (sm_90): lane l gives the address of row l % 8 of matrix
+// l / 8; register i holds this lane's pair of matrix i (.trans: stored transposed).
+__device__ __forceinline__ void stsm_x4(const void* p, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(p)), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ void stsm_x4_trans(const void* p, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(p)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 // 16 bytes global -> shared; reads nothing and writes zeros when !valid.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
