@@ -145,15 +145,6 @@ __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t*
 #endif
 }
 
-// The stage's rows read by this warp's bulk copies (store_chunk_state_staged on sm_90): before the
-// columns are written again.
-__device__ __forceinline__ void bulk_stores_read() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-  __syncwarp();
-#endif
-}
-
 // ForwardParams::chunk_states through this warp's own 64 x 16 columns of a staging tile (`stage`,
 // pitch `pitch`, columns vrow .. vrow + 15; the caller's are free): 64 keys at a time, S^T rounded
 // to bf16 and transposed by stage_o_tile into key rows of 16 values, then one 16-byte store per
@@ -170,30 +161,10 @@ __device__ __forceinline__ void store_chunk_state_staged(const float (&S)[DK / 8
   const bool values_lo = v0 + vrow < p.V, values_hi = v0 + vrow + 8 < p.V;
 #pragma unroll
   for (int pass = 0; pass < DK / 64; ++pass) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    bulk_stores_read();  // the rows of the previous pass (or chunk) are read by the copy engine
-#else
     if (pass > 0) __syncwarp();  // the previous pass's rows are read
-#endif
     stage_o_tile<Elem<__nv_bfloat16>>(*reinterpret_cast<const float(*)[8][4]>(&S[8 * pass][0]), stage, pitch, vrow,
                                       lane, 1.0f);
     __syncwarp();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // The copy engine takes the rows (one 32-byte bulk copy per key, two keys per lane): the
-    // warp issues 2 instructions per lane instead of 4 shared loads and 4 global stores.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = i * 32 + lane, key = 64 * pass + r;
-      if (key < p.K && values_lo) {
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(static_cast<uint64_t>(__cvta_generic_to_global(block + key * st[3]))),
-                     "r"(smem_addr(stage + r * pitch + vrow)), "r"(values_hi ? 32u : 16u)
-                     : "memory");
-      }
-    }
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-#else
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1, key = 64 * pass + r;
@@ -202,11 +173,8 @@ __device__ __forceinline__ void store_chunk_state_staged(const float (&S)[DK / 8
             *reinterpret_cast<const uint4*>(stage + r * pitch + vrow + half * 8);
       }
     }
-#endif
   }
-#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
   __syncwarp();  // the rows are read before the caller writes the columns again
-#endif
 }
 
 // The state group's products on wgmma (the prepared key split's full pass on sm_90a): o^T = V^T A^T
@@ -945,10 +913,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       if (!full) continue;
       // o^T -> this warp's own columns of the v stage (only this warp read them) -> global.
       const float sc = p.scale;
-      if constexpr (!kSwz) {
-        if (store_state && staged_states) bulk_stores_read();
-        stage_o_tile<X>(acc, vs, L.pv, vrow, lane, sc);  // (wg_state_products staged it)
-      }
+      if constexpr (!kSwz) stage_o_tile<X>(acc, vs, L.pv, vrow, lane, sc);  // (wg_state_products staged it)
       __syncwarp();
       if constexpr (KEYHALF == 2) {  // this lane's prev_o pieces (v of chunk c + 1, committed later, may fly)
         if (c + 1 < c_end) cp_async_wait_one(); else cp_async_wait_all();
@@ -980,9 +945,6 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       }
     }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (staged_states && p.chunk_states != nullptr) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#endif
     if (full) {
       if (m == nseg - 1 && p.final_state != nullptr) store_final_state<DK>(S, p, n, h, v0, vrow, lane);
     } else {
