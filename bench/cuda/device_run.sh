@@ -110,7 +110,7 @@ for step in "$@"; do
       done; done 2>&1 | tee "$LOG/ab.log" | grep -E "==|fwd\+bwd" ;;
     variants) # libgla builds in build-cuda/variants/<name> (AB_VARIANTS, e.g. from
       # bench/cuda/experiments/state_store_variants.sh) against build-cuda: ncu durations of the ws
-      # kernels (VARIANT_KERNELS regex) per case, then two interleaved rounds of bench_training.py --no-fla
+      # kernels and dqk (VARIANT_KERNELS, a regex) per case, then two interleaved rounds of bench_training.py --no-fla
       for c in "B8 T4096 H16 D128" "B8 T2048 H4 K256 V512"; do for d in "$PWD/build-cuda" ${AB_VARIANTS:+$(printf "$PWD/build-cuda/variants/%s " $AB_VARIANTS)}; do
         echo "== $d $c"; PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 ncu --csv --metrics gpu__time_duration.sum \
           -k "regex:${VARIANT_KERNELS:-chunk_forward_ws|dqk}" python3 bench/cuda/kernel_times.py --once --cases "$c" 2>/dev/null | python3 bench/cuda/experiments/ncu_durations.py
