@@ -111,11 +111,12 @@ for step in "$@"; do
     variants) # libgla builds in build-cuda/variants/<name> (AB_VARIANTS, e.g. from
       # bench/cuda/experiments/state_store_variants.sh) against build-cuda: ncu durations of the ws
       # kernels and dqk (VARIANT_KERNELS, a regex) per case, then two interleaved rounds of bench_training.py --no-fla
-      for c in "B8 T4096 H16 D128" "B8 T2048 H4 K256 V512"; do for d in "$PWD/build-cuda" ${AB_VARIANTS:+$(printf "$PWD/build-cuda/variants/%s " $AB_VARIANTS)}; do
+      libs="$PWD/build-cuda"; for v in ${AB_VARIANTS:-}; do libs="$libs $PWD/build-cuda/variants/$v"; done
+      for c in "B8 T4096 H16 D128" "B8 T2048 H4 K256 V512"; do for d in $libs; do
         echo "== $d $c"; PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 ncu --csv --metrics gpu__time_duration.sum \
           -k "regex:${VARIANT_KERNELS:-chunk_forward_ws|dqk}" python3 bench/cuda/kernel_times.py --once --cases "$c" 2>/dev/null | python3 bench/cuda/experiments/ncu_durations.py
       done; done 2>&1 | tee "$LOG/variants_ncu.log"
-      for r in 1 2; do for d in "$PWD/build-cuda" ${AB_VARIANTS:+$(printf "$PWD/build-cuda/variants/%s " $AB_VARIANTS)}; do echo "== $d"
+      for r in 1 2; do for d in $libs; do echo "== $d"
         PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 python3 bench/cuda/bench_training.py --no-fla --reps 30 \
           --cases "B8 T2048 H4 K256 V512,B8 T4096 H16 D128,B4 T4096 H16 K128 V256"
       done; done 2>&1 | tee "$LOG/variants_ab.log" | grep -E "==|fwd\+bwd" ;;
