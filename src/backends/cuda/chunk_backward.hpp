@@ -78,7 +78,7 @@ constexpr int kStateBytes = 2;          // bf16 chunk states and state gradients
 // Dynamic shared memory per block of the state walks and of the dq/dk/dg kernel
 // (sizeof(ScanShared), sizeof(DqkShared): chunk_backward.cu checks them).
 constexpr size_t kScanSharedBytes = 61696;
-constexpr size_t kDqkSharedBytes = 113152;
+constexpr size_t kDqkSharedBytes = 113664;
 }  // namespace backward
 
 // Where each intermediate lives in the workspace (byte offsets, 256-byte aligned).

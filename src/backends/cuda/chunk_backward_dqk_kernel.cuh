@@ -15,8 +15,9 @@
 //
 // Work split: warp w owns rows 16 (w % 4) .. + 15 (sub-chunk i = w % 4) and key columns
 // 32 (w / 4) .. + 31 of dq and dk, as mma.sync C fragments that stay in registers from the value
-// loop to the stores. Every product is an mma.sync m16n8k16 over ldmatrix fragments:
-//   value loop   S_c do, dS_{c+1} v and dA (blocks on or below the diagonal only);
+// loop to the stores. The value loop's products are wgmma on sm_90a (value_offset says how), every
+// other product an mma.sync m16n8k16 over ldmatrix fragments:
+//   value loop   S_c do, dS_{c+1} v and dA (with mma.sync: blocks on or below the diagonal only);
 //   off-diagonal the warp's own pivoted copies (keys of blocks j < i for dq, queries of blocks
 //                i' > i for dk: 48 rows for every i, so the warps are balanced);
 //   diagonal     one pivot (row 7 of the block) where the gate's range inside the block is at most
@@ -36,6 +37,8 @@
 #include <type_traits>
 
 #include "backends/cuda/chunk_backward_common.cuh"
+#include "backends/cuda/chunk_layout.hpp"
+#include "backends/cuda/wgmma.cuh"
 
 namespace gla::cuda::backward {
 
@@ -95,11 +98,25 @@ __device__ __forceinline__ void masked_diagonal_products(float (&accq)[4][4], fl
   }
 }
 
+// The value loop's products: on sm_90a by wgmma, both operands read from shared memory in the
+// 128-byte-swizzled layout (sw128_off; 8 KB of each tile's 9 KB), each warp group's 64 rows x 32
+// columns into the same C fragments as mma.sync's (warp w % 4 of the group holds rows 16 (w % 4)..);
+// elsewhere mma.sync over ldmatrix fragments from rows of kLd16. wgmma against mma.sync (H100, ncu
+// base clocks): dqk at B8 T4096 H16 D128 1064 -> 1024 us, at B8 T2048 H4 K256 V512 501 -> 471 us.
+constexpr bool kValueWgmma = detail::kArchWgmma;
+__device__ __forceinline__ int value_offset(int r, int c) {
+  if constexpr (kValueWgmma) {
+    return detail::sw128_off(r, c);
+  } else {
+    return r * kLd16 + c;
+  }
+}
+
 struct DqkValueTiles {
-  alignas(128) uint16_t dO[kChunk * kLd16];
-  alignas(128) uint16_t v[kChunk * kLd16];
-  alignas(128) uint16_t S[kTile * kLd16];   // [key][value] of S_c
-  alignas(128) uint16_t dS[kTile * kLd16];  // [key][value] of dS_{c+1}
+  alignas(1024) uint16_t dO[kChunk * kLd16];
+  alignas(1024) uint16_t v[kChunk * kLd16];
+  alignas(1024) uint16_t S[kTile * kLd16];   // [key][value] of S_c
+  alignas(1024) uint16_t dS[kTile * kLd16];  // [key][value] of dS_{c+1}
 };
 
 struct DqkShared {
@@ -130,11 +147,11 @@ struct DqkShared {
 // half of the latency hiding (one CTA's loads and barriers overlap the other's work).
 static_assert(sizeof(DqkShared) <= (228 * 1024 - 2 * 1024) / 2, "dqk_kernel must fit two CTAs per SM");
 
-// A 64 x 64 tile of 16-bit elements into shared memory (pitch kLd16) with load_tile's element
-// mapping (group e = tid + NT i: row e / 8, columns 8 (e % 8) ..): by cp.async when rows are 16-byte
-// aligned (the caller waits for its own groups), else through registers. Past rows_valid,
-// cols_valid, or with a null base: zeros.
-template <int NT>
+// A 64 x 64 tile of 16-bit elements into shared memory (pitch kLd16, or value_offset's layout with
+// VALUES) with load_tile's element mapping (group e = tid + NT i: row e / 8, columns 8 (e % 8) ..):
+// by cp.async when rows are 16-byte aligned (the caller waits for its own groups), else through
+// registers. Past rows_valid, cols_valid, or with a null base: zeros.
+template <int NT, bool VALUES = false>
 __device__ __forceinline__ void stage_tile(uint16_t* dst, const void* base, const int64_t* stride, int64_t batch,
                                            int64_t t0, int64_t h, int64_t rows_valid, int64_t c0, int64_t cols_valid,
                                            bool vector, int tid) {
@@ -148,12 +165,21 @@ __device__ __forceinline__ void stage_tile(uint16_t* dst, const void* base, cons
     for (int i = 0; i < Tile16<NT>::kGroups; ++i, row += step) {
       const int r = r0 + (NT / 8) * i;
       const bool ok = r < rows_valid && c < cols_valid;
-      detail::cp_async16(dst + r * kLd16 + c, ok ? row : static_cast<const uint16_t*>(base), ok);
+      detail::cp_async16(dst + (VALUES ? value_offset(r, c) : r * kLd16 + c), ok ? row : static_cast<const uint16_t*>(base),
+                         ok);
     }
   } else {
     Tile16<NT> regs;
     load_tile(regs, base, stride, batch, t0, h, rows_valid, c0, cols_valid, vector, tid);
-    store_tile(dst, regs, tid);
+    if constexpr (VALUES) {
+#pragma unroll
+      for (int i = 0; i < Tile16<NT>::kGroups; ++i) {
+        const int e = tid + i * NT;
+        *reinterpret_cast<uint4*>(dst + value_offset(e >> 3, (e & 7) * 8)) = regs.r[i];
+      }
+    } else {
+      store_tile(dst, regs, tid);
+    }
   }
 }
 
@@ -175,6 +201,9 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   using detail::ldsm_x4_trans;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   DqkShared& sh = *reinterpret_cast<DqkShared*>(smem_raw);
+  if constexpr (kValueWgmma) {
+    if ((detail::smem_addr(smem_raw) & 1023u) != 0) __trap();  // the swizzled value tiles need 1024-byte alignment
+  }
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int blk = warp & 3, row0 = 16 * blk, col0 = 32 * (warp >> 2);
   const int fr = lane >> 2, fc = detail::fc_of(lane), mi = lane >> 3;
@@ -200,10 +229,10 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     const int64_t v0 = int64_t(vt) * kTile;
     const int64_t vv = p.V - v0 < kTile ? p.V - v0 : kTile;
     DqkValueTiles& d = sh.u.loop[buf];
-    stage_tile<kGradThreads>(d.dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
-    stage_tile<kGradThreads>(d.v, p.v, p.v_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
-    stage_tile<kGradThreads>(d.S, S_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
-    stage_tile<kGradThreads>(d.dS, dS_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
+    stage_tile<kGradThreads, true>(d.dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
+    stage_tile<kGradThreads, true>(d.v, p.v, p.v_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
+    stage_tile<kGradThreads, true>(d.S, S_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
+    stage_tile<kGradThreads, true>(d.dS, dS_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
     detail::cp_async_commit();
   };
   {
@@ -244,16 +273,15 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   for (int i = 0; i < kStateGroups; ++i) rowsum_part[i] = 0.0f;
   const int a_row = (lane & 7) + (mi & 1) * 8, a_col = (mi >> 1) * 8;  // ldmatrix x4 of an A fragment
   const int b_row = (lane & 7) + (mi >> 1) * 8, b_col = (mi & 1) * 8;  // of two B n8 tiles, [n][k] storage
-  for (int vt = 0; vt < plan.value_tiles; ++vt) {
-    DqkValueTiles& d = sh.u.loop[vt & 1];
-    if (vt + 1 < plan.value_tiles) detail::cp_async_wait_one(); else detail::cp_async_wait_all();
-    // This thread's own groups of the states (its copies have landed): the row sums, and fp16
-    // operands converted in place (the states are bf16).
+  // This thread's own groups of the states (its copies have landed): the row sums, and fp16
+  // operands converted in place (the states are bf16).
+  constexpr bool kConvertStates = !std::is_same_v<E, StateElement>;
+  auto state_groups = [&](DqkValueTiles& d) {
 #pragma unroll
     for (int i = 0; i < kStateGroups; ++i) {
       const int e = tid + i * kGradThreads, r = e >> 3, c = (e & 7) * 8;
-      uint4* s_at = reinterpret_cast<uint4*>(d.S + r * kLd16 + c);
-      uint4* ds_at = reinterpret_cast<uint4*>(d.dS + r * kLd16 + c);
+      uint4* s_at = reinterpret_cast<uint4*>(d.S + value_offset(r, c));
+      uint4* ds_at = reinterpret_cast<uint4*>(d.dS + value_offset(r, c));
       const uint4 sv = *s_at, dv = *ds_at;
       const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
       const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w};
@@ -266,32 +294,65 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         so[j] = X::pack(s2.x, s2.y);
         dso[j] = X::pack(d2.x, d2.y);
       }
-      if constexpr (!std::is_same_v<E, StateElement>) {
+      if constexpr (kConvertStates) {
         *s_at = make_uint4(so[0], so[1], so[2], so[3]);
         *ds_at = make_uint4(dso[0], dso[1], dso[2], dso[3]);
       }
     }
-    __syncthreads();
+  };
+  for (int vt = 0; vt < plan.value_tiles; ++vt) {
+    DqkValueTiles& d = sh.u.loop[vt & 1];
+    if (vt + 1 < plan.value_tiles) detail::cp_async_wait_one(); else detail::cp_async_wait_all();
+    if constexpr (kValueWgmma) {
+      // Each warp group: its 32 columns (keys for dq and dk, rows s of v for dA) of the three
+      // products, four k-steps of 16 values (32 bytes along the swizzled rows) each; dA's blocks
+      // above the diagonal come along unused. With bf16 states the row sums run while they fly.
+      state_groups(d);
+      detail::fence_proxy_async_smem();  // this thread's copies (and conversions) before wgmma's reads
+      __syncthreads();
+      // Descriptors of the k-step 0 operands; k-step kk starts 32 bytes further (2 in the
+      // descriptor's 16-byte address units).
+      const uint64_t do_desc = detail::wg_desc(detail::smem_addr(d.dO), 16, 1024);
+      const uint64_t v_desc = detail::wg_desc(detail::smem_addr(d.v), 16, 1024);
+      const uint64_t s_desc = detail::wg_desc(detail::smem_addr(d.S) + col0 * 128, 16, 1024);
+      const uint64_t ds_desc = detail::wg_desc(detail::smem_addr(d.dS) + col0 * 128, 16, 1024);
+      const uint64_t vs_desc = detail::wg_desc(detail::smem_addr(d.v) + col0 * 128, 16, 1024);
+      detail::wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t a_do[4], a_v[4];
-      ldsm_x4(a_do, d.dO + (row0 + a_row) * kLd16 + 16 * kk + a_col);
-      ldsm_x4(a_v, d.v + (row0 + a_row) * kLd16 + 16 * kk + a_col);
+      for (int kk = 0; kk < 4; ++kk) {
+        detail::wgmma_n32_ss<X>(&dq[0][0], do_desc + 2 * kk, s_desc + 2 * kk);
+        detail::wgmma_n32_ss<X>(&dk[0][0], v_desc + 2 * kk, ds_desc + 2 * kk);
+        detail::wgmma_n32_ss<X>(&da[0][0], do_desc + 2 * kk, vs_desc + 2 * kk);
+      }
+      detail::wg_commit();
+      detail::wg_wait_all();
+      detail::wg_pin<16>(&dq[0][0]);
+      detail::wg_pin<16>(&dk[0][0]);
+      detail::wg_pin<16>(&da[0][0]);
+    } else {
+      state_groups(d);
+      __syncthreads();
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        const int n_row = col0 + 16 * np + b_row, k_col = 16 * kk + b_col;
-        uint32_t bs[4], bds[4];
-        ldsm_x4(bs, d.S + n_row * kLd16 + k_col);
-        ldsm_x4(bds, d.dS + n_row * kLd16 + k_col);
-        X::mma(dq[2 * np], a_do, bs[0], bs[1]);
-        X::mma(dq[2 * np + 1], a_do, bs[2], bs[3]);
-        X::mma(dk[2 * np], a_v, bds[0], bds[1]);
-        X::mma(dk[2 * np + 1], a_v, bds[2], bds[3]);
-        if (2 * (warp >> 2) + np <= blk) {  // dA block (blk, column block) on or below the diagonal
-          uint32_t bv[4];
-          ldsm_x4(bv, d.v + n_row * kLd16 + k_col);
-          X::mma(da[2 * np], a_do, bv[0], bv[1]);
-          X::mma(da[2 * np + 1], a_do, bv[2], bv[3]);
+      for (int kk = 0; kk < 4; ++kk) {
+        uint32_t a_do[4], a_v[4];
+        ldsm_x4(a_do, d.dO + (row0 + a_row) * kLd16 + 16 * kk + a_col);
+        ldsm_x4(a_v, d.v + (row0 + a_row) * kLd16 + 16 * kk + a_col);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          const int n_row = col0 + 16 * np + b_row, k_col = 16 * kk + b_col;
+          uint32_t bs[4], bds[4];
+          ldsm_x4(bs, d.S + n_row * kLd16 + k_col);
+          ldsm_x4(bds, d.dS + n_row * kLd16 + k_col);
+          X::mma(dq[2 * np], a_do, bs[0], bs[1]);
+          X::mma(dq[2 * np + 1], a_do, bs[2], bs[3]);
+          X::mma(dk[2 * np], a_v, bds[0], bds[1]);
+          X::mma(dk[2 * np + 1], a_v, bds[2], bds[3]);
+          if (2 * (warp >> 2) + np <= blk) {  // dA block (blk, column block) on or below the diagonal
+            uint32_t bv[4];
+            ldsm_x4(bv, d.v + n_row * kLd16 + k_col);
+            X::mma(da[2 * np], a_do, bv[0], bv[1]);
+            X::mma(da[2 * np + 1], a_do, bv[2], bv[3]);
+          }
         }
       }
     }

@@ -4,6 +4,8 @@
 // the A operand from registers:
 //   m64n64k16,  B K-major (imm-trans-b 0): o^T += S^T qg^T and o^T += V^T A^T
 //   m64n128k16, B N-major (imm-trans-b 1): S^T += V^T kg
+// and the backward dq/dk/dg kernel's value loop, both operands from shared memory:
+//   m64n32k16,  A and B K-major: do S_cᵀ, v dS_{c+1}ᵀ and do vᵀ
 // Off sm_90a these compile to a trap and the kernel never calls them (kArchWgmma false there).
 #pragma once
 
@@ -95,7 +97,21 @@ __device__ __forceinline__ void wg_pin(uint32_t* r) {
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1)); \
   }
+// Both operands from shared memory, both K-major: m64n32k16 (the backward's dq/dk/dg kernel).
+#define GLA_WGMMA_N32_SS(FN, TY) \
+  __device__ __forceinline__ void FN(float* d, uint64_t desc_a, uint64_t desc_b) { \
+    asm volatile( \
+        "{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {" \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+        "}, %16, %17, p, 1, 1, 0, 0;\n}\n" \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+        : "l"(desc_a), "l"(desc_b), "r"(1)); \
+  }
 #else
+#define GLA_WGMMA_N32_SS(FN, TY) \
+  __device__ __forceinline__ void FN(float*, uint64_t, uint64_t) { __trap(); }
 #define GLA_WGMMA_N64_KMAJOR(FN, TY) \
   __device__ __forceinline__ void FN(float*, const uint32_t (&)[4], uint64_t) { __trap(); }
 #define GLA_WGMMA_N128_NMAJOR(FN, TY) \
@@ -105,8 +121,11 @@ GLA_WGMMA_N64_KMAJOR(wgmma_n64_kmajor_bf16, "bf16")
 GLA_WGMMA_N64_KMAJOR(wgmma_n64_kmajor_f16, "f16")
 GLA_WGMMA_N128_NMAJOR(wgmma_n128_nmajor_bf16, "bf16")
 GLA_WGMMA_N128_NMAJOR(wgmma_n128_nmajor_f16, "f16")
+GLA_WGMMA_N32_SS(wgmma_n32_ss_bf16, "bf16")
+GLA_WGMMA_N32_SS(wgmma_n32_ss_f16, "f16")
 #undef GLA_WGMMA_N64_KMAJOR
 #undef GLA_WGMMA_N128_NMAJOR
+#undef GLA_WGMMA_N32_SS
 
 // Element-type dispatch (E: __nv_bfloat16 or __half).
 template <typename X>
@@ -123,6 +142,15 @@ __device__ __forceinline__ void wgmma_n128_nmajor(float* d, const uint32_t (&a)[
     wgmma_n128_nmajor_bf16(d, a, desc);
   } else {
     wgmma_n128_nmajor_f16(d, a, desc);
+  }
+}
+
+template <typename X>
+__device__ __forceinline__ void wgmma_n32_ss(float* d, uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (X::kType == kBF16) {
+    wgmma_n32_ss_bf16(d, desc_a, desc_b);
+  } else {
+    wgmma_n32_ss_f16(d, desc_a, desc_b);
   }
 }
 
