@@ -185,11 +185,10 @@ __device__ __forceinline__ void store_chunk_state_staged(const float (&S)[DK / 8
 // K = k) and A (rows t, K = s) are K-major B operands, kg (rows s = K, k contiguous) N-major, all
 // in the sw128_off layout. o^T is staged into this warp's columns of the v stage before the S^T
 // product, so its 32 registers are free there.
-template <int DK, typename X, bool A_TERM, typename WhileO>
+template <int DK, typename X, bool A_TERM>
 __device__ __forceinline__ void wg_state_products(float (&acc)[8][4], float (&S)[DK / 8][4], uint32_t (&vf)[4][4],
                                                   uint32_t qw_addr, uint32_t a_addr, uint32_t kw_addr,
-                                                  const float* dfac, uint16_t* vs, int pv, int vrow, int lane, float sc,
-                                                  WhileO&& while_o) {
+                                                  const float* dfac, uint16_t* vs, int pv, int vrow, int lane, float sc) {
   static_assert(DK == 128, "wgmma state group: DK = 128");
   float* o = &acc[0][0];
   float* st = &S[0][0];
@@ -213,7 +212,6 @@ __device__ __forceinline__ void wg_state_products(float (&acc)[8][4], float (&S)
     wgmma_n64_kmajor<X>(o, P[kk], wg_desc(qw_addr + (kk >> 2) * 8192 + (kk & 3) * 32, 16, 1024));
   }
   wg_commit();
-  while_o();  // reads S (the chunk-start state), not an operand of this group (P is)
   decay_state<DK>(S, dfac, lane);  // S itself is not an operand of this group (P is)
   wg_wait_all();
   wg_pin<32>(o);
@@ -889,11 +887,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       // The first key half has no intra-chunk term (its A slots stay zero): its 20 A v mmas skipped.
       if constexpr (kSwz) {
         fence_proxy_async_smem();  // the slot's copies (generic proxy) before wgmma's reads (async proxy)
+        if (store_state) store_state_block(c, state_stage, L.pq);
         const uint32_t slot_addr = smem_addr(smem) + slot * kSwizzledSlotBytes;
         wg_state_products<DK, X, KEYHALF == 2>(acc, S, vf, slot_addr, slot_addr + kSwizzledA, slot_addr + kSwizzledKg,
-                                               dfac, vs, L.pv, vrow, lane, p.scale, [&] {
-                                                 if (store_state) store_state_block(c, state_stage, L.pq);
-                                               });
+                                               dfac, vs, L.pv, vrow, lane, p.scale);
       } else if constexpr (kProductsBranch) {
         if (store_state) store_state_block(c, vs, L.pv);
         if (rows > 0) {  // always: kProductsBranch says why
