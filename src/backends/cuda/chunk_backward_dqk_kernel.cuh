@@ -273,10 +273,11 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   for (int i = 0; i < kStateGroups; ++i) rowsum_part[i] = 0.0f;
   const int a_row = (lane & 7) + (mi & 1) * 8, a_col = (mi >> 1) * 8;  // ldmatrix x4 of an A fragment
   const int b_row = (lane & 7) + (mi >> 1) * 8, b_col = (mi & 1) * 8;  // of two B n8 tiles, [n][k] storage
-  // This thread's own groups of the states (its copies have landed): the row sums, and fp16
-  // operands converted in place (the states are bf16).
-  constexpr bool kConvertStates = !std::is_same_v<E, StateElement>;
-  auto state_groups = [&](DqkValueTiles& d) {
+  for (int vt = 0; vt < plan.value_tiles; ++vt) {
+    DqkValueTiles& d = sh.u.loop[vt & 1];
+    if (vt + 1 < plan.value_tiles) detail::cp_async_wait_one(); else detail::cp_async_wait_all();
+    // This thread's own groups of the states (its copies have landed): the row sums, and fp16
+    // operands converted in place (the states are bf16).
 #pragma unroll
     for (int i = 0; i < kStateGroups; ++i) {
       const int e = tid + i * kGradThreads, r = e >> 3, c = (e & 7) * 8;
@@ -294,24 +295,18 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         so[j] = X::pack(s2.x, s2.y);
         dso[j] = X::pack(d2.x, d2.y);
       }
-      if constexpr (kConvertStates) {
+      if constexpr (!std::is_same_v<E, StateElement>) {
         *s_at = make_uint4(so[0], so[1], so[2], so[3]);
         *ds_at = make_uint4(dso[0], dso[1], dso[2], dso[3]);
       }
     }
-  };
-  for (int vt = 0; vt < plan.value_tiles; ++vt) {
-    DqkValueTiles& d = sh.u.loop[vt & 1];
-    if (vt + 1 < plan.value_tiles) detail::cp_async_wait_one(); else detail::cp_async_wait_all();
+    if constexpr (kValueWgmma) detail::fence_proxy_async_smem();  // this thread's copies and conversions before wgmma's reads
+    __syncthreads();
     if constexpr (kValueWgmma) {
       // Each warp group: its 32 columns (keys for dq and dk, rows s of v for dA) of the three
       // products, four k-steps of 16 values (32 bytes along the swizzled rows) each; dA's blocks
-      // above the diagonal come along unused. With bf16 states the row sums run while they fly.
-      state_groups(d);
-      detail::fence_proxy_async_smem();  // this thread's copies (and conversions) before wgmma's reads
-      __syncthreads();
-      // Descriptors of the k-step 0 operands; k-step kk starts 32 bytes further (2 in the
-      // descriptor's 16-byte address units).
+      // above the diagonal come along unused. Descriptors of the k-step 0 operands; k-step kk
+      // starts 32 bytes further (2 in the descriptor's 16-byte address units).
       const uint64_t do_desc = detail::wg_desc(detail::smem_addr(d.dO), 16, 1024);
       const uint64_t v_desc = detail::wg_desc(detail::smem_addr(d.v), 16, 1024);
       const uint64_t s_desc = detail::wg_desc(detail::smem_addr(d.S) + col0 * 128, 16, 1024);
@@ -330,8 +325,6 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
       detail::wg_pin<16>(&dk[0][0]);
       detail::wg_pin<16>(&da[0][0]);
     } else {
-      state_groups(d);
-      __syncthreads();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         uint32_t a_do[4], a_v[4];
