@@ -155,6 +155,7 @@ template <int NT, bool VALUES = false>
 __device__ __forceinline__ void stage_tile(uint16_t* dst, const void* base, const int64_t* stride, int64_t batch,
                                            int64_t t0, int64_t h, int64_t rows_valid, int64_t c0, int64_t cols_valid,
                                            bool vector, int tid) {
+  auto at = [](int r, int c) { return VALUES ? value_offset(r, c) : r * kLd16 + c; };
   if (vector && base != nullptr) {
     static_assert(NT % 8 == 0, "a thread's groups share their columns");
     const int r0 = tid >> 3, c = (tid & 7) * 8;
@@ -165,20 +166,15 @@ __device__ __forceinline__ void stage_tile(uint16_t* dst, const void* base, cons
     for (int i = 0; i < Tile16<NT>::kGroups; ++i, row += step) {
       const int r = r0 + (NT / 8) * i;
       const bool ok = r < rows_valid && c < cols_valid;
-      detail::cp_async16(dst + (VALUES ? value_offset(r, c) : r * kLd16 + c), ok ? row : static_cast<const uint16_t*>(base),
-                         ok);
+      detail::cp_async16(dst + at(r, c), ok ? row : static_cast<const uint16_t*>(base), ok);
     }
   } else {
     Tile16<NT> regs;
     load_tile(regs, base, stride, batch, t0, h, rows_valid, c0, cols_valid, vector, tid);
-    if constexpr (VALUES) {
 #pragma unroll
-      for (int i = 0; i < Tile16<NT>::kGroups; ++i) {
-        const int e = tid + i * NT;
-        *reinterpret_cast<uint4*>(dst + value_offset(e >> 3, (e & 7) * 8)) = regs.r[i];
-      }
-    } else {
-      store_tile(dst, regs, tid);
+    for (int i = 0; i < Tile16<NT>::kGroups; ++i) {
+      const int e = tid + i * NT;
+      *reinterpret_cast<uint4*>(dst + at(e >> 3, (e & 7) * 8)) = regs.r[i];
     }
   }
 }
