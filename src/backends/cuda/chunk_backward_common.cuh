@@ -90,14 +90,21 @@ __device__ __forceinline__ void load_tile(Tile16<NT>& regs, const void* base, co
   }
 }
 
-// Stores a loaded tile into shared memory with row pitch `pitch` (elements, a multiple of 8).
-template <typename E, int NT>
-__device__ __forceinline__ void store_tile(E* dst, const Tile16<NT>& regs, int tid, int pitch = kLd16) {
+// Stores a loaded tile into shared memory: the 8 elements of row r from column c (a multiple of 8)
+// at dst + offset(r, c).
+template <typename E, int NT, typename Offset>
+__device__ __forceinline__ void store_tile_at(E* dst, const Tile16<NT>& regs, int tid, Offset offset) {
 #pragma unroll
   for (int i = 0; i < Tile16<NT>::kGroups; ++i) {
-    const int e = tid + i * NT, r = e >> 3, c = (e & 7) * 8;
-    *reinterpret_cast<uint4*>(dst + r * pitch + c) = regs.r[i];
+    const int e = tid + i * NT;
+    *reinterpret_cast<uint4*>(dst + offset(e >> 3, (e & 7) * 8)) = regs.r[i];
   }
+}
+
+// The same with row pitch `pitch` (elements, a multiple of 8).
+template <typename E, int NT>
+__device__ __forceinline__ void store_tile(E* dst, const Tile16<NT>& regs, int tid, int pitch = kLd16) {
+  store_tile_at(dst, regs, tid, [pitch](int r, int c) { return r * pitch + c; });
 }
 
 // The gate of a tile's 64 rows and 64 key columns (c0..), as loaded: raw words, converted by

@@ -171,11 +171,7 @@ __device__ __forceinline__ void stage_tile(uint16_t* dst, const void* base, cons
   } else {
     Tile16<NT> regs;
     load_tile(regs, base, stride, batch, t0, h, rows_valid, c0, cols_valid, vector, tid);
-#pragma unroll
-    for (int i = 0; i < Tile16<NT>::kGroups; ++i) {
-      const int e = tid + i * NT;
-      *reinterpret_cast<uint4*>(dst + at(e >> 3, (e & 7) * 8)) = regs.r[i];
-    }
+    store_tile_at(dst, regs, tid, at);
   }
 }
 
