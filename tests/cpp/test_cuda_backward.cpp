@@ -1,6 +1,6 @@
 // The cuda backend's chunk backward against the reference backend, through the public C API with
 // tensors in CUDA memory: the SPEC.md §5 grid for dq, dk, dv, dg and dh0, varlen with empty and
-// length-1 sequences, K != V, strong decay, randn inputs, hard resets (g = -inf), both state layouts,
+// length-1 sequences, K != V, strong and moderate decays, randn inputs, hard resets (g = -inf), both state layouts,
 // both sources of the state gradients (the reverse walk; the reversed forward when lengths are
 // multiples of 64), fp32 and per-head gates, absent do / dht / outputs, long sequences, bitwise reruns. Every output
 // is NaN-poisoned before the call, so an unwritten element fails the comparison. Skips with a
@@ -134,6 +134,27 @@ TEST(CudaBackward, FullLengthShapesAndDecays) {
       check_case(c);
     }
     for (const Case& c : decay_and_randn_cases(dt)) check_case(c);
+  }
+}
+
+// Moderate decays, where the intra-chunk factors are large but finite. n = 0.35 moves b by ~2 log2
+// units a token: a 16-row block's one pivot scaled fp16 copies by up to 2^17 (inf, before fp16 took
+// the pivot levels), and the whole-chunk pivot's range (64 from row 31) is crossed by some bf16
+// tiles and not others. n = 0.5 moves b by ~1.45 a token: every bf16 tile on the whole-chunk pivot,
+// with factors up to 2^46.
+TEST(CudaBackward, ModerateDecays) {
+  SKIP_WITHOUT_CUDA();
+  for (int32_t dt : {GLA_DTYPE_BF16, GLA_DTYPE_F16}) {
+    for (double n : {0.35, 0.5}) {
+      Case c = base_case(dt, 2, 700, 2, 128);
+      c.normaliser = n;
+      c.randn_inputs = true;
+      check_case(c);
+      Case kv = base_case(dt, 1, 333, 2, 100);
+      kv.V = 200;
+      kv.normaliser = n;
+      check_case(kv);
+    }
   }
 }
 

@@ -20,7 +20,7 @@
 //   value loop   S_c do, dS_{c+1} v and dA (with mma.sync: blocks on or below the diagonal only);
 //   off-diagonal the warp's own pivoted copies (keys of blocks j < i for dq, queries of blocks
 //                i' > i for dk: 48 rows for every i, so the warps are balanced);
-//   diagonal     one pivot (row 7 of the block) where the gate's range inside the block is at most
+//   diagonal     one pivot (row 7 of the block; bf16 only) where the gate's range inside the block is at most
 //                kOnePivotRange: keys times 2^{b_P - b_s}, queries times 2^{b_t - b_P}, dA masked to
 //                t >= s, one product each for dq and dk (B8 T4096 H16 D128 fwd+bwd 1.95 -> 1.83 ms,
 //                H100). Otherwise pivot levels as in the forward: a pair (t > s) of a 16-row block belongs to the
@@ -30,6 +30,10 @@
 //                each times its factor), and dA masked to the level's pairs (stored once per
 //                level with dA; loaded row-major for dq, transposed for dk) multiplies it; the
 //                outputs take the same factor back.
+// With bf16 on sm_90a the intra-chunk part takes one pivot for the whole chunk instead, where the
+// tile's gate range allows (kChunkPivotRange below): two wgmma products of the masked dA with one
+// pivoted copy each of the keys and the queries replace the warps' off-diagonal copies, products and
+// diagonal; the blocks and levels above serve fp16, sm_80 and stronger decays.
 // An element-wise 16 x 16 diagonal (136 pairs per column, an exponent each) was ~1/5 of the
 // instructions of a kernel that took 1.78 ms at B8 T4096 H16 D128, against 1.03 ms for this one.
 #pragma once
@@ -59,6 +63,17 @@ constexpr int kOnePivot = 4;   // level_dA's slot of the whole lower triangle (t
 // rows and columns is at most this (log2 units): factors within 2^±24, so the copies and products
 // stay far from fp32's and bf16's range for any input whose true terms are in range.
 constexpr float kOnePivotRange = 24.0f;
+
+// The whole-chunk pivot (bf16 on sm_90a): the intra-chunk part of dq and dk as two 64 x 64 x 64
+// products of dA masked to t >= s with one copy of the keys and of the queries, each pivoted at row
+// kChunkPivotRow (dq_t += 2^{b_t - b_P} Σ_s dA[t,s] k_s 2^{b_P - b_s}, dk_s += 2^{b_P - b_s} Σ_t dA[t,s]
+// q_t 2^{b_t - b_P}), on wgmma, where every |b_r - b_P| of the tile is at most kChunkPivotRange
+// (a CTA-wide vote; else the blocks and levels below). Factors within 2^±64 keep copies, products
+// and their fp32 sums inside bf16's and fp32's range (2^±126) for any input whose true terms are in
+// range; their relative rounding is the same as the blocks' (high and low bf16 parts of the copies).
+// g = logsigmoid(randn) moves b by ~37 over 32 rows, so nearly every tile takes it.
+constexpr int kChunkPivotRow = 31;
+constexpr float kChunkPivotRange = 64.0f;
 
 // The pivot level of the pair (t, s) of a 16-row block, t > s: the highest bit of t ^ s (H = 2^level,
 // pivot at the last row of the first half of its 2H-row group); 4 (none) for t <= s.
@@ -119,6 +134,14 @@ struct DqkValueTiles {
   alignas(1024) uint16_t dS[kTile * kLd16];  // [key][value] of dS_{c+1}
 };
 
+// The whole-chunk pivot's operands, in the swizzled layout wgmma reads (A and B K-major).
+struct DqkChunkPivotTiles {
+  alignas(1024) uint16_t dA[kChunk * kChunk];            // [t][s], masked to t >= s, scale included
+  alignas(1024) uint16_t dA_t[kChunk * kChunk];          // [s][t]: the same, transposed
+  alignas(1024) uint16_t keys[2][kTile * kChunk];        // [key][s]: k_s 2^{b_P - b_s}, high and low parts
+  alignas(1024) uint16_t queries[2][kTile * kChunk];     // [key][t]: q_t 2^{b_t - b_P}, high and low parts
+};
+
 struct DqkShared {
   alignas(128) float b[kChunk * kLdGate];
   alignas(128) uint16_t q[kChunk * kLd16];
@@ -133,6 +156,7 @@ struct DqkShared {
       // every pair t >= s (the diagonal with one pivot).
       alignas(128) uint16_t level_dA[4][5][16 * kLdLevel];
     } after;
+    DqkChunkPivotTiles pivot;  // instead of `after` when the whole-chunk pivot serves the tile
     alignas(128) float x[kChunk * kLdX];  // q ⊙ dq - k ⊙ dk, then dg (dA and the copies are done with)
   } u;
   float rowsum[kTile];
@@ -249,6 +273,24 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     gate_cumsum<kGradThreads, kLdGate>(sh.b, gate, p, &sh.column_part[0][0], tid);  // synchronises
   }
   const float state_grad_scale = plan.state_grads_by_values ? p.scale : 1.0f;
+  // The whole-chunk pivot's range test, thread (column, 16 rows); voted at the value loop's first
+  // barrier (false for a NaN gate).
+  constexpr bool kChunkPivotPath = kValueWgmma && std::is_same_v<E, __nv_bfloat16>;
+  bool pivot_in_range = false, chunk_pivot = false;
+  if constexpr (kChunkPivotPath) {
+    const int c = tid & 63, r0 = 16 * (tid >> 6);
+    const float pivot = sh.b[kChunkPivotRow * kLdGate + c];
+    pivot_in_range = true;
+#pragma unroll
+    for (int r = 0; r < 16; ++r) pivot_in_range &= fabsf(sh.b[(r0 + r) * kLdGate + c] - pivot) <= kChunkPivotRange;
+  }
+  auto barrier_and_vote = [&]() {
+    if constexpr (kChunkPivotPath) {
+      chunk_pivot = __syncthreads_and(pivot_in_range) != 0;
+    } else {
+      __syncthreads();
+    }
+  };
 
   // ---- over the value tiles: Pq = do S_cᵀ (into dq), Pk = v dS_{c+1}ᵀ (into dk), dA = do vᵀ,
   // rowsum(S_c ⊙ dS_{c+1}) ----
@@ -293,7 +335,11 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
       }
     }
     if constexpr (kValueWgmma) detail::fence_proxy_async_smem();  // this thread's copies and conversions before wgmma's reads
-    __syncthreads();
+    if (vt == 0) {
+      barrier_and_vote();
+    } else {
+      __syncthreads();
+    }
     if constexpr (kValueWgmma) {
       // Each warp group: its 32 columns (keys for dq and dk, rows s of v for dA) of the three
       // products, four k-steps of 16 values (32 bytes along the swizzled rows) each; dA's blocks
@@ -346,7 +392,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   }
   if (plan.value_tiles == 0) {
     detail::cp_async_wait_all();
-    __syncthreads();
+    barrier_and_vote();
   }
   // rowsum: the 8 consecutive lanes sharing a row reduce by shuffles.
 #pragma unroll
@@ -383,7 +429,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         const float2 kt = X::to_float2(k_frag[n][hr]);
         inter[n][0] += kt.x * dk[n][2 * hr];
         inter[n][1] += kt.y * dk[n][2 * hr + 1];
-        if (2 * (warp >> 2) + n / 2 <= blk) {
+        if (!chunk_pivot && 2 * (warp >> 2) + n / 2 <= blk) {
           const float d0 = p.scale * da[n][2 * hr], d1 = p.scale * da[n][2 * hr + 1];
           *reinterpret_cast<uint32_t*>(sh.u.after.dA + t * kLd16 + c) = X::pack(d0, d1);
           if (2 * (warp >> 2) + n / 2 == blk) {  // the diagonal block, once per level
@@ -413,209 +459,303 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
       }
     }
   }
-  __syncthreads();  // dA complete; the value tiles are dead, the union holds the warps' copies
-
-  // ---- off-diagonal blocks: the warp's pivoted keys (rows s < 16 blk, pivot e_{blk-1}) and queries
-  // (rows t >= 16 (blk + 1), pivot e_blk; stack row t - 16) over its 32 columns ----
-  uint16_t* copy = sh.u.after.copies[warp];
-  {
-    const int pc = col0 + 2 * (lane & 15);  // this lane's column pair
-    const float2 pivot_k = blk > 0 ? pair_at(sh.b, kLdGate, row0 - 1, pc) : make_float2(0.0f, 0.0f);
-    const float2 pivot_q = pair_at(sh.b, kLdGate, row0 + 15, pc);
-    const int half_row = lane >> 4, cw = 2 * (lane & 15);  // two rows per pass, 16 column pairs
-#pragma unroll 4
-    for (int r = half_row; r < row0; r += 2) {
-      const float2 bs = pair_at(sh.b, kLdGate, r, pc);
-      const float2 ks = pair_at<X>(sh.k, kLd16, r, pc);
-      *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + cw) =
-          X::pack(ks.x * fast_exp2(pivot_k.x - bs.x), ks.y * fast_exp2(pivot_k.y - bs.y));
-    }
-#pragma unroll 4
-    for (int r = row0 + half_row; r < kCopyRows; r += 2) {
-      const float2 bt = pair_at(sh.b, kLdGate, r + 16, pc);
-      const float2 qt = pair_at<X>(sh.q, kLd16, r + 16, pc);
-      *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + cw) =
-          X::pack(qt.x * fast_exp2(bt.x - pivot_q.x), qt.y * fast_exp2(bt.y - pivot_q.y));
+  if constexpr (kChunkPivotPath) {
+    if (chunk_pivot) {
+      DqkChunkPivotTiles& piv = sh.u.pivot;
+      // dA masked to t >= s (scale included) from the fragments: [t][s] by stmatrix, [s][t] by
+      // stmatrix .trans (matrix m of an instruction: n8 tile 2 np + m / 2, rows 8 (m % 2) ..).
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t w[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int n = 2 * np + (m >> 1), hr = m & 1;
+          const int t = row0 + fr + 8 * hr, s = col_of(n);
+          w[m] = X::pack(t >= s ? p.scale * da[n][2 * hr] : 0.0f, t >= s + 1 ? p.scale * da[n][2 * hr + 1] : 0.0f);
+        }
+        const int m = lane >> 3, c = col0 + 8 * (2 * np + (m >> 1)), r = row0 + 8 * (m & 1);
+        detail::stsm_x4(piv.dA + detail::sw128_off(r + (lane & 7), c), w[0], w[1], w[2], w[3]);
+        detail::stsm_x4_trans(piv.dA_t + detail::sw128_off(c + (lane & 7), r), w[0], w[1], w[2], w[3]);
+      }
+      // The pivoted copies, thread (key, 16 rows), 8 rows per 16-byte store: keys k_s 2^{b_P - b_s},
+      // queries q_t 2^{b_t - b_P}, each as a high and a low bf16 part.
+      const int key = tid & 63;
+      const float pivot = sh.b[kChunkPivotRow * kLdGate + key];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r0 = 16 * (tid >> 6) + 8 * half;
+        uint32_t kh[4], kl[4], qh[4], ql[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float kx[2], qx[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int r = r0 + 2 * j + e;
+            const float d = sh.b[r * kLdGate + key] - pivot;
+            kx[e] = X::to_float(sh.k[r * kLd16 + key]) * fast_exp2(-d);
+            qx[e] = X::to_float(sh.q[r * kLd16 + key]) * fast_exp2(d);
+          }
+          kh[j] = X::pack(kx[0], kx[1]);
+          qh[j] = X::pack(qx[0], qx[1]);
+          const float2 khf = X::to_float2(kh[j]), qhf = X::to_float2(qh[j]);
+          kl[j] = X::pack(kx[0] - khf.x, kx[1] - khf.y);
+          ql[j] = X::pack(qx[0] - qhf.x, qx[1] - qhf.y);
+        }
+        const int at = detail::sw128_off(key, r0);
+        *reinterpret_cast<uint4*>(piv.keys[0] + at) = make_uint4(kh[0], kh[1], kh[2], kh[3]);
+        *reinterpret_cast<uint4*>(piv.keys[1] + at) = make_uint4(kl[0], kl[1], kl[2], kl[3]);
+        *reinterpret_cast<uint4*>(piv.queries[0] + at) = make_uint4(qh[0], qh[1], qh[2], qh[3]);
+        *reinterpret_cast<uint4*>(piv.queries[1] + at) = make_uint4(ql[0], ql[1], ql[2], ql[3]);
+      }
+      detail::fence_proxy_async_smem();  // before wgmma's reads
     }
   }
-  __syncwarp();
-  {
-    // dq of query block blk: Σ_{j<blk} dA_{blk,j} (pivoted keys of block j).
+  __syncthreads();  // dA complete; the value tiles are dead, the union holds the warps' copies (or the pivot's tiles)
+
+  uint16_t* copy = sh.u.after.copies[warp];  // this warp's copies, then its staging of dq and dk
+  if (chunk_pivot) {
+    // The whole-chunk pivot: each warp group its 32 key columns of (masked dA) (pivoted keys) and
+    // (masked dA)ᵀ (pivoted queries), high and low parts, four k-steps of 16 rows each.
+    DqkChunkPivotTiles& piv = sh.u.pivot;
     float acc[4][4];
 #pragma unroll
-    for (int n = 0; n < 4; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    for (int j = 0; j < blk; ++j) {
-      uint32_t a[4];
-      ldsm_x4(a, sh.u.after.dA + (row0 + a_row) * kLd16 + 16 * j + a_col);
+    for (int pass = 0; pass < 2; ++pass) {
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bb[4];
-        ldsm_x4_trans(bb, copy + (16 * j + a_row) * kLdCopy + 16 * np + a_col);
-        X::mma(acc[2 * np], a, bb[0], bb[1]);
-        X::mma(acc[2 * np + 1], a, bb[2], bb[3]);
+      for (int n = 0; n < 4; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+      const uint64_t a_desc = detail::wg_desc(detail::smem_addr(pass == 0 ? piv.dA : piv.dA_t), 16, 1024);
+      const uint16_t(&copies)[2][kTile * kChunk] = pass == 0 ? piv.keys : piv.queries;
+      const uint64_t high_desc = detail::wg_desc(detail::smem_addr(copies[0]) + col0 * 128, 16, 1024);
+      const uint64_t low_desc = detail::wg_desc(detail::smem_addr(copies[1]) + col0 * 128, 16, 1024);
+      detail::wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        detail::wgmma_n32_ss<X>(&acc[0][0], a_desc + 2 * kk, high_desc + 2 * kk);
+        detail::wgmma_n32_ss<X>(&acc[0][0], a_desc + 2 * kk, low_desc + 2 * kk);
       }
-    }
-    if (blk > 0) {
+      detail::wg_commit();
+      detail::wg_wait_all();
+      detail::wg_pin<16>(&acc[0][0]);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        const float2 pivot = pair_at(sh.b, kLdGate, row0 - 1, col_of(n));
+        const float2 pivot = pair_at(sh.b, kLdGate, kChunkPivotRow, col_of(n));
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          dq[n][2 * hr] += acc[n][2 * hr] * fast_exp2(b_frag[n][hr].x - pivot.x);
-          dq[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(b_frag[n][hr].y - pivot.y);
-        }
-      }
-    }
-    // dk of key block blk: Σ_{i>blk} dA_{i,blk}ᵀ (pivoted queries of block i).
-#pragma unroll
-    for (int n = 0; n < 4; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    for (int i = blk + 1; i < 4; ++i) {
-      uint32_t a[4];
-      ldsm_x4_trans(a, sh.u.after.dA + (16 * i + b_row) * kLd16 + row0 + b_col);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bb[4];
-        ldsm_x4_trans(bb, copy + (16 * i - 16 + a_row) * kLdCopy + 16 * np + a_col);
-        X::mma(acc[2 * np], a, bb[0], bb[1]);
-        X::mma(acc[2 * np + 1], a, bb[2], bb[3]);
-      }
-    }
-    if (blk < 3) {
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const float2 pivot = pair_at(sh.b, kLdGate, row0 + 15, col_of(n));
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          dk[n][2 * hr] += acc[n][2 * hr] * fast_exp2(pivot.x - b_frag[n][hr].x);
-          dk[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(pivot.y - b_frag[n][hr].y);
-        }
-      }
-    }
-  }
-  __syncwarp();  // the pivoted copies are read: the level copies reuse the buffer
-
-  // ---- diagonal block: one pivot where the gate's range allows it, else pivot levels ----
-  // bf16 copies are split into a high and a low part, both multiplied: one bf16 rounding of the
-  // copies put dg's error at 5-8e-3 against the reference on the SPEC grid (bar 5e-3), where the
-  // element-wise diagonal it replaced was fp32. fp16's rounding is 8x finer and passes with one part.
-  constexpr bool kSplitCopies = std::is_same_v<E, __nv_bfloat16>;
-  // One pivot P = row 7 of the block: dq_t += 2^{b_t - b_P} Σ_{s<=t} dA[t,s] (k_s 2^{b_P - b_s}) and
-  // dk_s += 2^{b_P - b_s} Σ_{t>=s} dA[t,s] (q_t 2^{b_t - b_P}), one masked product each instead of
-  // four levels and the t = s pass. The factors exceed 1 on one side of P, so this needs the
-  // block's gate range bounded (kOnePivotRange: g = logsigmoid(randn) stays well inside it, strong
-  // decays take the levels). A warp-uniform choice from this warp's rows and columns; reruns are
-  // bitwise (it depends on the inputs only).
-  bool one_pivot;
-  {
-    float range = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const float2 pv = pair_at(sh.b, kLdGate, row0 + 7, col_of(n));
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        range = fmaxf(range, fmaxf(fabsf(b_frag[n][hr].x - pv.x), fabsf(b_frag[n][hr].y - pv.y)));
-      }
-    }
-    one_pivot = __all_sync(0xffffffffu, range <= kOnePivotRange);  // false for NaN
-  }
-  if (one_pivot) {
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const float2 pv = pair_at(sh.b, kLdGate, row0 + 7, col_of(n));
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        b_frag[n][hr] = make_float2(b_frag[n][hr].x - pv.x, b_frag[n][hr].y - pv.y);  // b_r - b_P from here on
-      }
-    }
-    // Rows 0-15: keys times 2^{b_P - b_s}, 32-47: queries times 2^{b_t - b_P}; the low parts 16 rows below each.
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = fr + 8 * hr;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const float2 d = b_frag[n][hr];
-        const float2 kt = X::to_float2(k_frag[n][hr]), qt = X::to_float2(q_frag[n][hr]);
-        const float k0 = kt.x * fast_exp2(-d.x), k1 = kt.y * fast_exp2(-d.y);
-        const float q0 = qt.x * fast_exp2(d.x), q1 = qt.y * fast_exp2(d.y);
-        const uint32_t kh = X::pack(k0, k1), qh = X::pack(q0, q1);
-        *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = kh;
-        *reinterpret_cast<uint32_t*>(copy + (32 + r) * kLdCopy + 8 * n + fc) = qh;
-        if constexpr (kSplitCopies) {
-          const float2 khf = X::to_float2(kh), qhf = X::to_float2(qh);
-          *reinterpret_cast<uint32_t*>(copy + (16 + r) * kLdCopy + 8 * n + fc) = X::pack(k0 - khf.x, k1 - khf.y);
-          *reinterpret_cast<uint32_t*>(copy + (48 + r) * kLdCopy + 8 * n + fc) = X::pack(q0 - qhf.x, q1 - qhf.y);
-        }
-      }
-    }
-    float accq[4][4], acck[4][4];
-    masked_diagonal_products<X, kSplitCopies>(accq, acck, sh.u.after.level_dA[blk][kOnePivot], copy, copy + 32 * kLdCopy, lane);
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const float2 d = b_frag[n][hr];
-        dq[n][2 * hr] += fast_exp2(d.x) * accq[n][2 * hr];
-        dq[n][2 * hr + 1] += fast_exp2(d.y) * accq[n][2 * hr + 1];
-        dk[n][2 * hr] += fast_exp2(-d.x) * acck[n][2 * hr];
-        dk[n][2 * hr + 1] += fast_exp2(-d.y) * acck[n][2 * hr + 1];
-      }
-    }
-  } else {
-#pragma unroll 1
-    for (int level = 3; level >= 0; --level) {  // H = 2^level
-      const int H = 1 << level;
-      // This lane's rows of the level copy: row r's group starts at (r / 2H) 2H, its pivot is the
-      // group's row H - 1; keys (first half) times 2^{b_pivot - b_r}, queries times 2^{b_r - b_pivot}.
-      float2 f[4][2];
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = fr + 8 * hr;
-        const int pivot_row = row0 + (r & ~(2 * H - 1)) + H - 1;
-        const bool key_half = (r & H) == 0;
-        const float sign = key_half ? 1.0f : -1.0f;  // one exponent per entry, not both and a select
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const float2 pv = pair_at(sh.b, kLdGate, pivot_row, col_of(n));
-          const float2 br = b_frag[n][hr];
-          f[n][hr] = make_float2(fast_exp2(sign * (pv.x - br.x)), fast_exp2(sign * (pv.y - br.y)));
-          const float2 m = X::to_float2(key_half ? k_frag[n][hr] : q_frag[n][hr]);
-          const float x0 = m.x * f[n][hr].x, x1 = m.y * f[n][hr].y;
-          const uint32_t high = X::pack(x0, x1);
-          *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = high;
-          if constexpr (kSplitCopies) {
-            const float2 hf = X::to_float2(high);
-            *reinterpret_cast<uint32_t*>(copy + (16 + r) * kLdCopy + 8 * n + fc) = X::pack(x0 - hf.x, x1 - hf.y);
+          const float2 d = make_float2(b_frag[n][hr].x - pivot.x, b_frag[n][hr].y - pivot.y);
+          if (pass == 0) {
+            dq[n][2 * hr] += acc[n][2 * hr] * fast_exp2(d.x);
+            dq[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(d.y);
+          } else {
+            dk[n][2 * hr] += acc[n][2 * hr] * fast_exp2(-d.x);
+            dk[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(-d.y);
           }
         }
       }
-      // dA_{blk,blk} masked to the level's pairs (rows t, columns s) for dq, and its transpose for dk.
+    }
+    __syncthreads();  // every warp group's reads of the tiles are done: `copy` overlaps them
+  } else {
+    // ---- off-diagonal blocks: the warp's pivoted keys (rows s < 16 blk, pivot e_{blk-1}) and queries
+    // (rows t >= 16 (blk + 1), pivot e_blk; stack row t - 16) over its 32 columns ----
+    {
+      const int pc = col0 + 2 * (lane & 15);  // this lane's column pair
+      const float2 pivot_k = blk > 0 ? pair_at(sh.b, kLdGate, row0 - 1, pc) : make_float2(0.0f, 0.0f);
+      const float2 pivot_q = pair_at(sh.b, kLdGate, row0 + 15, pc);
+      const int half_row = lane >> 4, cw = 2 * (lane & 15);  // two rows per pass, 16 column pairs
+#pragma unroll 4
+      for (int r = half_row; r < row0; r += 2) {
+        const float2 bs = pair_at(sh.b, kLdGate, r, pc);
+        const float2 ks = pair_at<X>(sh.k, kLd16, r, pc);
+        *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + cw) =
+            X::pack(ks.x * fast_exp2(pivot_k.x - bs.x), ks.y * fast_exp2(pivot_k.y - bs.y));
+      }
+#pragma unroll 4
+      for (int r = row0 + half_row; r < kCopyRows; r += 2) {
+        const float2 bt = pair_at(sh.b, kLdGate, r + 16, pc);
+        const float2 qt = pair_at<X>(sh.q, kLd16, r + 16, pc);
+        *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + cw) =
+            X::pack(qt.x * fast_exp2(bt.x - pivot_q.x), qt.y * fast_exp2(bt.y - pivot_q.y));
+      }
+    }
+    __syncwarp();
+    {
+      // dq of query block blk: Σ_{j<blk} dA_{blk,j} (pivoted keys of block j).
+      float acc[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+      for (int j = 0; j < blk; ++j) {
+        uint32_t a[4];
+        ldsm_x4(a, sh.u.after.dA + (row0 + a_row) * kLd16 + 16 * j + a_col);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t bb[4];
+          ldsm_x4_trans(bb, copy + (16 * j + a_row) * kLdCopy + 16 * np + a_col);
+          X::mma(acc[2 * np], a, bb[0], bb[1]);
+          X::mma(acc[2 * np + 1], a, bb[2], bb[3]);
+        }
+      }
+      if (blk > 0) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const float2 pivot = pair_at(sh.b, kLdGate, row0 - 1, col_of(n));
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            dq[n][2 * hr] += acc[n][2 * hr] * fast_exp2(b_frag[n][hr].x - pivot.x);
+            dq[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(b_frag[n][hr].y - pivot.y);
+          }
+        }
+      }
+      // dk of key block blk: Σ_{i>blk} dA_{i,blk}ᵀ (pivoted queries of block i).
+#pragma unroll
+      for (int n = 0; n < 4; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+      for (int i = blk + 1; i < 4; ++i) {
+        uint32_t a[4];
+        ldsm_x4_trans(a, sh.u.after.dA + (16 * i + b_row) * kLd16 + row0 + b_col);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t bb[4];
+          ldsm_x4_trans(bb, copy + (16 * i - 16 + a_row) * kLdCopy + 16 * np + a_col);
+          X::mma(acc[2 * np], a, bb[0], bb[1]);
+          X::mma(acc[2 * np + 1], a, bb[2], bb[3]);
+        }
+      }
+      if (blk < 3) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const float2 pivot = pair_at(sh.b, kLdGate, row0 + 15, col_of(n));
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            dk[n][2 * hr] += acc[n][2 * hr] * fast_exp2(pivot.x - b_frag[n][hr].x);
+            dk[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(pivot.y - b_frag[n][hr].y);
+          }
+        }
+      }
+    }
+    __syncwarp();  // the pivoted copies are read: the level copies reuse the buffer
+
+    // ---- diagonal block: one pivot where the gate's range allows it, else pivot levels ----
+    // bf16 copies are split into a high and a low part, both multiplied: one bf16 rounding of the
+    // copies put dg's error at 5-8e-3 against the reference on the SPEC grid (bar 5e-3), where the
+    // element-wise diagonal it replaced was fp32. fp16's rounding is 8x finer and passes with one part.
+    constexpr bool kSplitCopies = std::is_same_v<E, __nv_bfloat16>;
+    // One pivot P = row 7 of the block: dq_t += 2^{b_t - b_P} Σ_{s<=t} dA[t,s] (k_s 2^{b_P - b_s}) and
+    // dk_s += 2^{b_P - b_s} Σ_{t>=s} dA[t,s] (q_t 2^{b_t - b_P}), one masked product each instead of
+    // four levels and the t = s pass. The factors exceed 1 on one side of P, so this needs the
+    // block's gate range bounded (kOnePivotRange: g = logsigmoid(randn) stays well inside it, strong
+    // decays take the levels). A warp-uniform choice from this warp's rows and columns; reruns are
+    // bitwise (it depends on the inputs only).
+    bool one_pivot;
+    {
+      float range = 0.0f;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const float2 pv = pair_at(sh.b, kLdGate, row0 + 7, col_of(n));
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          range = fmaxf(range, fmaxf(fabsf(b_frag[n][hr].x - pv.x), fabsf(b_frag[n][hr].y - pv.y)));
+        }
+      }
+      // bf16 only: fp16's range (normal from 2^-14, at most 65504) cannot hold factors up to
+      // 2^±24 (moderate decays overflowed the copies to inf); fp16 takes the levels (factors <= 1).
+      one_pivot = kSplitCopies && __all_sync(0xffffffffu, range <= kOnePivotRange);  // false for NaN
+    }
+    if (one_pivot) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const float2 pv = pair_at(sh.b, kLdGate, row0 + 7, col_of(n));
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          b_frag[n][hr] = make_float2(b_frag[n][hr].x - pv.x, b_frag[n][hr].y - pv.y);  // b_r - b_P from here on
+        }
+      }
+      // Rows 0-15: keys times 2^{b_P - b_s}, 32-47: queries times 2^{b_t - b_P}; the low parts 16 rows below each.
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = fr + 8 * hr;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const float2 d = b_frag[n][hr];
+          const float2 kt = X::to_float2(k_frag[n][hr]), qt = X::to_float2(q_frag[n][hr]);
+          const float k0 = kt.x * fast_exp2(-d.x), k1 = kt.y * fast_exp2(-d.y);
+          const float q0 = qt.x * fast_exp2(d.x), q1 = qt.y * fast_exp2(d.y);
+          const uint32_t kh = X::pack(k0, k1), qh = X::pack(q0, q1);
+          *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = kh;
+          *reinterpret_cast<uint32_t*>(copy + (32 + r) * kLdCopy + 8 * n + fc) = qh;
+          if constexpr (kSplitCopies) {
+            const float2 khf = X::to_float2(kh), qhf = X::to_float2(qh);
+            *reinterpret_cast<uint32_t*>(copy + (16 + r) * kLdCopy + 8 * n + fc) = X::pack(k0 - khf.x, k1 - khf.y);
+            *reinterpret_cast<uint32_t*>(copy + (48 + r) * kLdCopy + 8 * n + fc) = X::pack(q0 - qhf.x, q1 - qhf.y);
+          }
+        }
+      }
       float accq[4][4], acck[4][4];
-      masked_diagonal_products<X, kSplitCopies>(accq, acck, sh.u.after.level_dA[blk][level], copy, copy, lane);
-      // Rows outside the level's second (dq) or first (dk) halves got 0 from the masked dA.
+      masked_diagonal_products<X, kSplitCopies>(accq, acck, sh.u.after.level_dA[blk][kOnePivot], copy, copy + 32 * kLdCopy, lane);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          dq[n][2 * hr] += f[n][hr].x * accq[n][2 * hr];
-          dq[n][2 * hr + 1] += f[n][hr].y * accq[n][2 * hr + 1];
-          dk[n][2 * hr] += f[n][hr].x * acck[n][2 * hr];
-          dk[n][2 * hr + 1] += f[n][hr].y * acck[n][2 * hr + 1];
+          const float2 d = b_frag[n][hr];
+          dq[n][2 * hr] += fast_exp2(d.x) * accq[n][2 * hr];
+          dq[n][2 * hr + 1] += fast_exp2(d.y) * accq[n][2 * hr + 1];
+          dk[n][2 * hr] += fast_exp2(-d.x) * acck[n][2 * hr];
+          dk[n][2 * hr + 1] += fast_exp2(-d.y) * acck[n][2 * hr + 1];
         }
       }
-      __syncwarp();  // the copy is read before the next level overwrites it
-    }
-    // t = s: dq_t += dA[t,t] k_t, dk_t += dA[t,t] q_t.
+    } else {
+#pragma unroll 1
+      for (int level = 3; level >= 0; --level) {  // H = 2^level
+        const int H = 1 << level;
+        // This lane's rows of the level copy: row r's group starts at (r / 2H) 2H, its pivot is the
+        // group's row H - 1; keys (first half) times 2^{b_pivot - b_r}, queries times 2^{b_r - b_pivot}.
+        float2 f[4][2];
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int t = row0 + fr + 8 * hr;
-      const float d = X::to_float(sh.u.after.dA[t * kLd16 + t]);
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = fr + 8 * hr;
+          const int pivot_row = row0 + (r & ~(2 * H - 1)) + H - 1;
+          const bool key_half = (r & H) == 0;
+          const float sign = key_half ? 1.0f : -1.0f;  // one exponent per entry, not both and a select
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const float2 kt = X::to_float2(k_frag[n][hr]), qt = X::to_float2(q_frag[n][hr]);
-        dq[n][2 * hr] += d * kt.x;
-        dq[n][2 * hr + 1] += d * kt.y;
-        dk[n][2 * hr] += d * qt.x;
-        dk[n][2 * hr + 1] += d * qt.y;
+          for (int n = 0; n < 4; ++n) {
+            const float2 pv = pair_at(sh.b, kLdGate, pivot_row, col_of(n));
+            const float2 br = b_frag[n][hr];
+            f[n][hr] = make_float2(fast_exp2(sign * (pv.x - br.x)), fast_exp2(sign * (pv.y - br.y)));
+            const float2 m = X::to_float2(key_half ? k_frag[n][hr] : q_frag[n][hr]);
+            const float x0 = m.x * f[n][hr].x, x1 = m.y * f[n][hr].y;
+            const uint32_t high = X::pack(x0, x1);
+            *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = high;
+            if constexpr (kSplitCopies) {
+              const float2 hf = X::to_float2(high);
+              *reinterpret_cast<uint32_t*>(copy + (16 + r) * kLdCopy + 8 * n + fc) = X::pack(x0 - hf.x, x1 - hf.y);
+            }
+          }
+        }
+        // dA_{blk,blk} masked to the level's pairs (rows t, columns s) for dq, and its transpose for dk.
+        float accq[4][4], acck[4][4];
+        masked_diagonal_products<X, kSplitCopies>(accq, acck, sh.u.after.level_dA[blk][level], copy, copy, lane);
+        // Rows outside the level's second (dq) or first (dk) halves got 0 from the masked dA.
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            dq[n][2 * hr] += f[n][hr].x * accq[n][2 * hr];
+            dq[n][2 * hr + 1] += f[n][hr].y * accq[n][2 * hr + 1];
+            dk[n][2 * hr] += f[n][hr].x * acck[n][2 * hr];
+            dk[n][2 * hr + 1] += f[n][hr].y * acck[n][2 * hr + 1];
+          }
+        }
+        __syncwarp();  // the copy is read before the next level overwrites it
+      }
+      // t = s: dq_t += dA[t,t] k_t, dk_t += dA[t,t] q_t.
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int t = row0 + fr + 8 * hr;
+        const float d = X::to_float(sh.u.after.dA[t * kLd16 + t]);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const float2 kt = X::to_float2(k_frag[n][hr]), qt = X::to_float2(q_frag[n][hr]);
+          dq[n][2 * hr] += d * kt.x;
+          dq[n][2 * hr + 1] += d * kt.y;
+          dk[n][2 * hr] += d * qt.x;
+          dk[n][2 * hr + 1] += d * qt.y;
+        }
       }
     }
   }
