@@ -286,7 +286,9 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   }
   auto barrier_and_vote = [&]() {
     if constexpr (kChunkPivotPath) {
-      chunk_pivot = __syncthreads_and(pivot_in_range) != 0;
+      // Through a full-warp shuffle: ptxas then knows the branch around the pivot's wgmma is
+      // warp-uniform (from the barrier's result it serialised every wgmma of the kernel, C7520).
+      chunk_pivot = __shfl_sync(0xffffffffu, __syncthreads_and(pivot_in_range), 0) != 0;
     } else {
       __syncthreads();
     }
