@@ -38,7 +38,6 @@
 // instructions of a kernel that took 1.78 ms at B8 T4096 H16 D128, against 1.03 ms for this one.
 #pragma once
 
-#include <cstddef>
 #include <type_traits>
 
 #include "backends/cuda/chunk_backward_common.cuh"
@@ -143,15 +142,6 @@ struct DqkChunkPivotTiles {
   alignas(1024) uint16_t queries[2][kTile * kChunk];     // [key][t]: q_t 2^{b_t - b_P}, high and low parts
 };
 
-// dg's reverse cumsum as a product on sm_90a: dg = U x + (chunk-end terms), U[u][t] = (t >= u), with
-// x = q ⊙ dq - k ⊙ dk as high and low bf16 parts (U is exact in bf16). Above the warps' copy buffers,
-// which still stage dq and dk while these are written.
-struct DqkGateGradTiles {
-  alignas(1024) unsigned char below[49152];        // the warps' copies (`after.copies`) end below this
-  alignas(1024) uint16_t upper[kChunk * kChunk];  // U [u][t]
-  alignas(1024) uint16_t x[2][kTile * kChunk];    // [c][t]: x's high and low parts
-};
-
 struct DqkShared {
   alignas(128) float b[kChunk * kLdGate];
   alignas(128) uint16_t q[kChunk * kLd16];
@@ -167,7 +157,6 @@ struct DqkShared {
       alignas(128) uint16_t level_dA[4][5][16 * kLdLevel];
     } after;
     DqkChunkPivotTiles pivot;  // instead of `after` when the whole-chunk pivot serves the tile
-    DqkGateGradTiles gate;     // dg's product (sm_90a), after the dq/dk products
     alignas(128) float x[kChunk * kLdX];  // q ⊙ dq - k ⊙ dk, then dg (dA and the copies are done with)
   } u;
   float rowsum[kTile];
@@ -181,13 +170,6 @@ struct DqkShared {
 // Two CTAs per SM on sm_90 (228 KiB of shared memory, 1 KiB reserved per CTA): the design's other
 // half of the latency hiding (one CTA's loads and barriers overlap the other's work).
 static_assert(sizeof(DqkShared) <= (228 * 1024 - 2 * 1024) / 2, "dqk_kernel must fit two CTAs per SM");
-// dg's tiles are written while other warps may still read the pivot's tiles or stage dq and dk
-// (rows 0..31 of their copies).
-static_assert(sizeof(DqkChunkPivotTiles) <= offsetof(DqkGateGradTiles, upper), "dg's tiles overlap the pivot's");
-static_assert(offsetof(DqkShared, u.after.copies) - offsetof(DqkShared, u) +
-                      sizeof(uint16_t) * ((kGradWarps - 1) * kDiagonalCopyRows + 32) * kLdCopy <=
-                  offsetof(DqkGateGradTiles, upper),
-              "dg's tiles overlap the dq/dk staging");
 
 // A 64 x 64 tile of 16-bit elements into shared memory (pitch kLd16, or value_offset's layout with
 // VALUES) with load_tile's element mapping (group e = tid + NT i: row e / 8, columns 8 (e % 8) ..):
@@ -854,109 +836,42 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   }
   if (p.dg == nullptr) return;
 
-  // ---- dg: reverse cumsum of x = q ⊙ dq - k ⊙ dk plus the chunk-end terms, into sh.u.x ----
-  if constexpr (kValueWgmma) {
-    // dg = U x (+ the chunk-end terms) by wgmma: x's parts transposed into [c][t] by stmatrix .trans
-    // (rows past the chunk 0), U by each thread's 16 entries, then each warp group its 32 columns.
-    using B16 = detail::Elem<__nv_bfloat16>;
-    if (!chunk_pivot) __syncthreads();  // the levels' masked dA (under dg's tiles) is read
-    DqkGateGradTiles& gt = sh.u.gate;
+  // ---- dg: reverse cumsum of x = q ⊙ dq - k ⊙ dk plus the chunk-end terms ----
+  __syncthreads();  // every warp's level copies are read: the union becomes x
 #pragma unroll
-    for (int np = 0; np < 2; ++np) {
-      uint32_t high[4], low[4];
+  for (int n = 0; n < 4; ++n) {
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int n = 2 * np + (m >> 1), hr = m & 1;
-        const bool inside = row0 + fr + 8 * hr < rows;
-        const float2 qt = X::to_float2(q_frag[n][hr]), kt = X::to_float2(k_frag[n][hr]);
-        const float x0 = inside ? qt.x * dq[n][2 * hr] - kt.x * dk[n][2 * hr] : 0.0f;
-        const float x1 = inside ? qt.y * dq[n][2 * hr + 1] - kt.y * dk[n][2 * hr + 1] : 0.0f;
-        high[m] = B16::pack(x0, x1);
-        const float2 h = B16::to_float2(high[m]);
-        low[m] = B16::pack(x0 - h.x, x1 - h.y);
-      }
-      const int m = lane >> 3, c = col0 + 8 * (2 * np + (m >> 1)), r = row0 + 8 * (m & 1);
-      detail::stsm_x4_trans(gt.x[0] + detail::sw128_off(c + (lane & 7), r), high[0], high[1], high[2], high[3]);
-      detail::stsm_x4_trans(gt.x[1] + detail::sw128_off(c + (lane & 7), r), low[0], low[1], low[2], low[3]);
+    for (int hr = 0; hr < 2; ++hr) {
+      const float2 qt = X::to_float2(q_frag[n][hr]), kt = X::to_float2(k_frag[n][hr]);
+      const int t = row0 + fr + 8 * hr;
+      *reinterpret_cast<float2*>(sh.u.x + t * kLdX + col_of(n)) =
+          make_float2(qt.x * dq[n][2 * hr] - kt.x * dk[n][2 * hr], qt.y * dq[n][2 * hr + 1] - kt.y * dk[n][2 * hr + 1]);
     }
-    {
-      const int u = tid >> 2, t0 = 16 * (tid & 3);
-      constexpr uint32_t kOne = 0x3f80u;  // 1.0 in bf16
-      uint32_t w[8];
+  }
+  __syncthreads();
+  // Thread (column c, row group of kGroupRows rows): the group's sum, then the suffix of the later
+  // groups and the chunk-end terms, then its own rows in reverse (a fixed order: reruns are bitwise).
+  {
+    const int c = tid & 63, group = tid >> 6, t0 = kGroupRows * group;
+    const int last_row = static_cast<int>(rows) - 1;
+    float x[kGroupRows];
+    float part = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) w[j] = (t0 + 2 * j >= u ? kOne : 0u) | (t0 + 2 * j + 1 >= u ? kOne << 16 : 0u);
-      *reinterpret_cast<uint4*>(gt.upper + detail::sw128_off(u, t0)) = make_uint4(w[0], w[1], w[2], w[3]);
-      *reinterpret_cast<uint4*>(gt.upper + detail::sw128_off(u, t0 + 8)) = make_uint4(w[4], w[5], w[6], w[7]);
+    for (int r = 0; r < kGroupRows; ++r) {
+      x[r] = sh.u.x[(t0 + r) * kLdX + c];
+      if (t0 + r <= last_row) part += x[r];
     }
-    detail::fence_proxy_async_smem();
-    __syncthreads();  // the tiles are written; every warp's dq/dk stores (staged under sh.u.x) are done
-    float acc[4][4];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    const uint64_t u_desc = detail::wg_desc(detail::smem_addr(gt.upper), 16, 1024);
-    const uint64_t high_desc = detail::wg_desc(detail::smem_addr(gt.x[0]) + col0 * 128, 16, 1024);
-    const uint64_t low_desc = detail::wg_desc(detail::smem_addr(gt.x[1]) + col0 * 128, 16, 1024);
-    detail::wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      detail::wgmma_n32_ss<B16>(&acc[0][0], u_desc + 2 * kk, high_desc + 2 * kk);
-      detail::wgmma_n32_ss<B16>(&acc[0][0], u_desc + 2 * kk, low_desc + 2 * kk);
-    }
-    detail::wg_commit();
-    detail::wg_wait_all();
-    detail::wg_pin<16>(&acc[0][0]);
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int c = col_of(n);
-      float end[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        end[j] = fast_exp2(sh.b[(kChunk - 1) * kLdGate + c + j]) * sh.rowsum[c + j] + sh.inter_part[0][c + j] +
-                 sh.inter_part[1][c + j] + sh.inter_part[2][c + j] + sh.inter_part[3][c + j];
-      }
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        *reinterpret_cast<float2*>(sh.u.x + (row0 + fr + 8 * hr) * kLdX + c) =
-            make_float2(c < kv ? acc[n][2 * hr] + end[0] : 0.0f, c + 1 < kv ? acc[n][2 * hr + 1] + end[1] : 0.0f);
-      }
-    }
-  } else {
-    __syncthreads();  // every warp's level copies are read: the union becomes x
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const float2 qt = X::to_float2(q_frag[n][hr]), kt = X::to_float2(k_frag[n][hr]);
-        const int t = row0 + fr + 8 * hr;
-        *reinterpret_cast<float2*>(sh.u.x + t * kLdX + col_of(n)) =
-            make_float2(qt.x * dq[n][2 * hr] - kt.x * dk[n][2 * hr], qt.y * dq[n][2 * hr + 1] - kt.y * dk[n][2 * hr + 1]);
-      }
-    }
+    sh.column_part[group][c] = part;
     __syncthreads();
-    // Thread (column c, row group of kGroupRows rows): the group's sum, then the suffix of the later
-    // groups and the chunk-end terms, then its own rows in reverse (a fixed order: reruns are bitwise).
-    {
-      const int c = tid & 63, group = tid >> 6, t0 = kGroupRows * group;
-      const int last_row = static_cast<int>(rows) - 1;
-      float x[kGroupRows];
-      float part = 0.0f;
+    const float inter_sum = sh.inter_part[0][c] + sh.inter_part[1][c] + sh.inter_part[2][c] + sh.inter_part[3][c];
+    float acc = fast_exp2(sh.b[(kChunk - 1) * kLdGate + c]) * sh.rowsum[c] + inter_sum;
+    for (int g = kRowGroups - 1; g > group; --g) acc += sh.column_part[g][c];
 #pragma unroll
-      for (int r = 0; r < kGroupRows; ++r) {
-        x[r] = sh.u.x[(t0 + r) * kLdX + c];
-        if (t0 + r <= last_row) part += x[r];
-      }
-      sh.column_part[group][c] = part;
-      __syncthreads();
-      const float inter_sum = sh.inter_part[0][c] + sh.inter_part[1][c] + sh.inter_part[2][c] + sh.inter_part[3][c];
-      float acc = fast_exp2(sh.b[(kChunk - 1) * kLdGate + c]) * sh.rowsum[c] + inter_sum;
-      for (int g = kRowGroups - 1; g > group; --g) acc += sh.column_part[g][c];
-#pragma unroll
-      for (int r = kGroupRows - 1; r >= 0; --r) {
-        const int t = t0 + r;
-        if (t <= last_row) {
-          acc += x[r];
-          sh.u.x[t * kLdX + c] = c < kv ? acc : 0.0f;
-        }
+    for (int r = kGroupRows - 1; r >= 0; --r) {
+      const int t = t0 + r;
+      if (t <= last_row) {
+        acc += x[r];
+        sh.u.x[t * kLdX + c] = c < kv ? acc : 0.0f;
       }
     }
   }
