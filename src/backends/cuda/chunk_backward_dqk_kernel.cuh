@@ -657,7 +657,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
       }
       // bf16 only: fp16's range (normal from 2^-14, at most 65504) cannot hold factors up to
       // 2^±24 (moderate decays overflowed the copies to inf); fp16 takes the levels (factors <= 1).
-      one_pivot = kSplitCopies && __all_sync(0xffffffffu, range <= kOnePivotRange);  // false for NaN
+      // fmaxf drops NaN, so a NaN gate may take this form: its outputs are NaN in either form.
+      one_pivot = kSplitCopies && __all_sync(0xffffffffu, range <= kOnePivotRange);
     }
     if (one_pivot) {
 #pragma unroll
