@@ -79,6 +79,16 @@ constexpr float kChunkPivotRange = 64.0f;
 // pivot at the last row of the first half of its 2H-row group); 4 (none) for t <= s.
 __device__ __forceinline__ int pivot_level(int t, int s) { return t > s ? 31 - __clz(t ^ s) : 4; }
 
+// (x0, x1) packed to 16 bits, and what that rounding left in `low`, also packed: high + low keep
+// ~16 bits of each value's mantissa (the bf16 copies below are split so).
+template <typename X>
+__device__ __forceinline__ uint32_t split_pair(float x0, float x1, uint32_t& low) {
+  const uint32_t high = X::pack(x0, x1);
+  const float2 h = X::to_float2(high);
+  low = X::pack(x0 - h.x, x1 - h.y);
+  return high;
+}
+
 // A diagonal block's two products over a warp's 32 columns: accq = M · (dq_copy rows 0..15) and
 // acck = Mᵀ · (dk_copy rows 0..15), M the masked 16 x 16 block of dA (kLdLevel pitch), plus the
 // copies' low parts 16 rows below each when SPLIT. The caller wrote the copies before; __syncwarp
@@ -497,11 +507,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
             kx[e] = X::to_float(sh.k[r * kLd16 + key]) * fast_exp2(-d);
             qx[e] = X::to_float(sh.q[r * kLd16 + key]) * fast_exp2(d);
           }
-          kh[j] = X::pack(kx[0], kx[1]);
-          qh[j] = X::pack(qx[0], qx[1]);
-          const float2 khf = X::to_float2(kh[j]), qhf = X::to_float2(qh[j]);
-          kl[j] = X::pack(kx[0] - khf.x, kx[1] - khf.y);
-          ql[j] = X::pack(qx[0] - qhf.x, qx[1] - qhf.y);
+          kh[j] = split_pair<X>(kx[0], kx[1], kl[j]);
+          qh[j] = split_pair<X>(qx[0], qx[1], ql[j]);
         }
         const int at = detail::sw128_off(key, r0);
         *reinterpret_cast<uint4*>(piv.keys[0] + at) = make_uint4(kh[0], kh[1], kh[2], kh[3]);
@@ -669,7 +676,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
           b_frag[n][hr] = make_float2(b_frag[n][hr].x - pv.x, b_frag[n][hr].y - pv.y);  // b_r - b_P from here on
         }
       }
-      // Rows 0-15: keys times 2^{b_P - b_s}, 32-47: queries times 2^{b_t - b_P}; the low parts 16 rows below each.
+      // Rows 0-15: keys times 2^{b_P - b_s}, 32-47: queries times 2^{b_t - b_P}; the low parts 16 rows
+      // below each (this form is bf16 only, so always split).
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int r = fr + 8 * hr;
@@ -679,18 +687,15 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
           const float2 kt = X::to_float2(k_frag[n][hr]), qt = X::to_float2(q_frag[n][hr]);
           const float k0 = kt.x * fast_exp2(-d.x), k1 = kt.y * fast_exp2(-d.y);
           const float q0 = qt.x * fast_exp2(d.x), q1 = qt.y * fast_exp2(d.y);
-          const uint32_t kh = X::pack(k0, k1), qh = X::pack(q0, q1);
-          *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = kh;
-          *reinterpret_cast<uint32_t*>(copy + (32 + r) * kLdCopy + 8 * n + fc) = qh;
-          if constexpr (kSplitCopies) {
-            const float2 khf = X::to_float2(kh), qhf = X::to_float2(qh);
-            *reinterpret_cast<uint32_t*>(copy + (16 + r) * kLdCopy + 8 * n + fc) = X::pack(k0 - khf.x, k1 - khf.y);
-            *reinterpret_cast<uint32_t*>(copy + (48 + r) * kLdCopy + 8 * n + fc) = X::pack(q0 - qhf.x, q1 - qhf.y);
-          }
+          uint32_t kl, ql;
+          *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = split_pair<X>(k0, k1, kl);
+          *reinterpret_cast<uint32_t*>(copy + (32 + r) * kLdCopy + 8 * n + fc) = split_pair<X>(q0, q1, ql);
+          *reinterpret_cast<uint32_t*>(copy + (16 + r) * kLdCopy + 8 * n + fc) = kl;
+          *reinterpret_cast<uint32_t*>(copy + (48 + r) * kLdCopy + 8 * n + fc) = ql;
         }
       }
       float accq[4][4], acck[4][4];
-      masked_diagonal_products<X, kSplitCopies>(accq, acck, sh.u.after.level_dA[blk][kOnePivot], copy, copy + 32 * kLdCopy, lane);
+      masked_diagonal_products<X, true>(accq, acck, sh.u.after.level_dA[blk][kOnePivot], copy, copy + 32 * kLdCopy, lane);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
 #pragma unroll
@@ -722,11 +727,12 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
             f[n][hr] = make_float2(fast_exp2(sign * (pv.x - br.x)), fast_exp2(sign * (pv.y - br.y)));
             const float2 m = X::to_float2(key_half ? k_frag[n][hr] : q_frag[n][hr]);
             const float x0 = m.x * f[n][hr].x, x1 = m.y * f[n][hr].y;
-            const uint32_t high = X::pack(x0, x1);
-            *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = high;
             if constexpr (kSplitCopies) {
-              const float2 hf = X::to_float2(high);
-              *reinterpret_cast<uint32_t*>(copy + (16 + r) * kLdCopy + 8 * n + fc) = X::pack(x0 - hf.x, x1 - hf.y);
+              uint32_t low;
+              *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = split_pair<X>(x0, x1, low);
+              *reinterpret_cast<uint32_t*>(copy + (16 + r) * kLdCopy + 8 * n + fc) = low;
+            } else {
+              *reinterpret_cast<uint32_t*>(copy + r * kLdCopy + 8 * n + fc) = X::pack(x0, x1);
             }
           }
         }
