@@ -290,10 +290,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   if constexpr (kChunkPivotPath) {
     const int c = tid & 63, r0 = 16 * (tid >> 6);
     const float pivot = sh.b[kChunkPivotRow * kLdGate + c];
-    // The inter factors become per-column 2^{b_P} and 2^{b_last + next - b_P} times the pivot's
-    // factors: both bounded too, so neither underflows where the true factors do not.
-    pivot_in_range = pivot >= -kChunkPivotRange &&
-                     sh.b[(kChunk - 1) * kLdGate + c] + sh.next_gate[c] - pivot >= -kChunkPivotRange;
+    pivot_in_range = true;
 #pragma unroll
     for (int r = 0; r < 16; ++r) pivot_in_range &= fabsf(sh.b[(r0 + r) * kLdGate + c] - pivot) <= kChunkPivotRange;
   }
@@ -418,21 +415,6 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     if ((lane & 7) == 0) sh.rowsum[row] = x * (state_grad_scale * fast_exp2(sh.next_gate[row]));
   }
 
-  // Σ_s k_s ⊙ dk_s^inter of this warp's rows: the 8 lanes sharing columns (lane % 4) reduce over
-  // their rows by a butterfly (fixed order).
-  auto store_inter = [&](float (&inter)[4][2]) {
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float x = inter[n][j];
-        x += __shfl_xor_sync(0xffffffffu, x, 4);
-        x += __shfl_xor_sync(0xffffffffu, x, 8);
-        x += __shfl_xor_sync(0xffffffffu, x, 16);
-        if (fr == 0) sh.inter_part[blk][col_of(n) + j] = x;
-      }
-    }
-  };
   // ---- inter-chunk factors on the fragments; dA in 16 bits; Σ_s k_s ⊙ dk_s^inter per column ----
   // This lane's q, k and b at its fragment positions, kept for the diagonal and dg.
   uint32_t q_frag[4][2], k_frag[4][2];
@@ -452,7 +434,6 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         k_frag[n][hr] = *reinterpret_cast<const uint32_t*>(sh.k + t * kLd16 + c);
         const float2 bt = pair_at(sh.b, kLdGate, t, c);
         b_frag[n][hr] = bt;
-        if (chunk_pivot) continue;  // the pivot's products take the inter factors (below)
         dq[n][2 * hr] *= p.scale * fast_exp2(bt.x);
         dq[n][2 * hr + 1] *= p.scale * fast_exp2(bt.y);
         dk[n][2 * hr] *= state_grad_scale * fast_exp2(last.x - bt.x + next.x);
@@ -477,7 +458,18 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         }
       }
     }
-    if (!chunk_pivot) store_inter(inter);
+    // The 8 lanes sharing columns (lane % 4) reduce over their rows by a butterfly (fixed order).
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float x = inter[n][j];
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        if (fr == 0) sh.inter_part[blk][col_of(n) + j] = x;
+      }
+    }
   }
   if constexpr (kChunkPivotPath) {
     if (chunk_pivot) {
@@ -497,48 +489,32 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
         detail::stsm_x4(piv.dA + detail::sw128_off(r + (lane & 7), c), w[0], w[1], w[2], w[3]);
         detail::stsm_x4_trans(piv.dA_t + detail::sw128_off(c + (lane & 7), r), w[0], w[1], w[2], w[3]);
       }
-      // The pivoted copies, thread (key pair, 8 rows), one row of the pair per 32-bit read; keys
-      // k_s 2^{b_P - b_s}, queries q_t 2^{b_t - b_P}, each as a high and a low bf16 part, 8 rows per
-      // 16-byte store. A warp holds two row groups of opposite parity, so its 16-byte stores cover all
-      // eight positions of the swizzle (conflict-free).
-      const int pair = (lane & 15) + 16 * (warp & 1), key = 2 * pair;
-      const int r0 = 8 * (2 * (warp >> 1) + (lane >> 4));
-      const float2 pivot = pair_at(sh.b, kLdGate, kChunkPivotRow, key);
-      uint32_t kh[2][4], kl[2][4], qh[2][4], ql[2][4];  // [key of the pair][row pair]
+      // The pivoted copies, thread (key, 16 rows), 8 rows per 16-byte store: keys k_s 2^{b_P - b_s},
+      // queries q_t 2^{b_t - b_P}, each as a high and a low bf16 part.
+      const int key = tid & 63;
+      const float pivot = sh.b[kChunkPivotRow * kLdGate + key];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float kx[2][2], qx[2][2];  // [key of the pair][row of the row pair]
+      for (int half = 0; half < 2; ++half) {
+        const int r0 = 16 * (tid >> 6) + 8 * half;
+        uint32_t kh[4], kl[4], qh[4], ql[4];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int r = r0 + 2 * j + e;
-          const float2 b = pair_at(sh.b, kLdGate, r, key);
-          const float2 kv2 = pair_at<X>(sh.k, kLd16, r, key), qv2 = pair_at<X>(sh.q, kLd16, r, key);
-          const float d0 = b.x - pivot.x, d1 = b.y - pivot.y;
-          kx[0][e] = kv2.x * fast_exp2(-d0);
-          kx[1][e] = kv2.y * fast_exp2(-d1);
-          qx[0][e] = qv2.x * fast_exp2(d0);
-          qx[1][e] = qv2.y * fast_exp2(d1);
+        for (int j = 0; j < 4; ++j) {
+          float kx[2], qx[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int r = r0 + 2 * j + e;
+            const float d = sh.b[r * kLdGate + key] - pivot;
+            kx[e] = X::to_float(sh.k[r * kLd16 + key]) * fast_exp2(-d);
+            qx[e] = X::to_float(sh.q[r * kLd16 + key]) * fast_exp2(d);
+          }
+          kh[j] = split_pair<X>(kx[0], kx[1], kl[j]);
+          qh[j] = split_pair<X>(qx[0], qx[1], ql[j]);
         }
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          kh[x][j] = split_pair<X>(kx[x][0], kx[x][1], kl[x][j]);
-          qh[x][j] = split_pair<X>(qx[x][0], qx[x][1], ql[x][j]);
-        }
-      }
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int at = detail::sw128_off(key + x, r0);
-        *reinterpret_cast<uint4*>(piv.keys[0] + at) = make_uint4(kh[x][0], kh[x][1], kh[x][2], kh[x][3]);
-        *reinterpret_cast<uint4*>(piv.keys[1] + at) = make_uint4(kl[x][0], kl[x][1], kl[x][2], kl[x][3]);
-        *reinterpret_cast<uint4*>(piv.queries[0] + at) = make_uint4(qh[x][0], qh[x][1], qh[x][2], qh[x][3]);
-        *reinterpret_cast<uint4*>(piv.queries[1] + at) = make_uint4(ql[x][0], ql[x][1], ql[x][2], ql[x][3]);
-      }
-      // The per-column inter factors (column_part is free until dg): scale 2^{b_P} for dq and
-      // 2^{b_last + next - b_P} (times scale with state_grads_by_values) for dk.
-      if (tid < kTile) {
-        const float bp = sh.b[kChunkPivotRow * kLdGate + tid];
-        sh.column_part[0][tid] = p.scale * fast_exp2(bp);
-        sh.column_part[1][tid] = state_grad_scale * fast_exp2(sh.b[(kChunk - 1) * kLdGate + tid] + sh.next_gate[tid] - bp);
+        const int at = detail::sw128_off(key, r0);
+        *reinterpret_cast<uint4*>(piv.keys[0] + at) = make_uint4(kh[0], kh[1], kh[2], kh[3]);
+        *reinterpret_cast<uint4*>(piv.keys[1] + at) = make_uint4(kl[0], kl[1], kl[2], kl[3]);
+        *reinterpret_cast<uint4*>(piv.queries[0] + at) = make_uint4(qh[0], qh[1], qh[2], qh[3]);
+        *reinterpret_cast<uint4*>(piv.queries[1] + at) = make_uint4(ql[0], ql[1], ql[2], ql[3]);
       }
       detail::fence_proxy_async_smem();  // before wgmma's reads
     }
@@ -568,32 +544,21 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
       detail::wg_commit();
       detail::wg_wait_all();
       detail::wg_pin<16>(&acc[0][0]);
-      // dq_t = 2^{b_t - b_P} (scale 2^{b_P} Pq + acc), dk_s = 2^{b_P - b_s} (2^{b_last + next - b_P} Pk + acc):
-      // the inter factors split into the pivot's and a per-column one.
-      float inter[4][2];
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         const float2 pivot = pair_at(sh.b, kLdGate, kChunkPivotRow, col_of(n));
-        const float2 column = *reinterpret_cast<const float2*>(&sh.column_part[pass][col_of(n)]);
-        inter[n][0] = inter[n][1] = 0.0f;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const float2 d = make_float2(b_frag[n][hr].x - pivot.x, b_frag[n][hr].y - pivot.y);
           if (pass == 0) {
-            dq[n][2 * hr] = fast_exp2(d.x) * (column.x * dq[n][2 * hr] + acc[n][2 * hr]);
-            dq[n][2 * hr + 1] = fast_exp2(d.y) * (column.y * dq[n][2 * hr + 1] + acc[n][2 * hr + 1]);
+            dq[n][2 * hr] += acc[n][2 * hr] * fast_exp2(d.x);
+            dq[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(d.y);
           } else {
-            const float f0 = fast_exp2(-d.x), f1 = fast_exp2(-d.y);
-            const float i0 = f0 * column.x * dk[n][2 * hr], i1 = f1 * column.y * dk[n][2 * hr + 1];
-            const float2 kt = X::to_float2(k_frag[n][hr]);
-            inter[n][0] += kt.x * i0;
-            inter[n][1] += kt.y * i1;
-            dk[n][2 * hr] = i0 + f0 * acc[n][2 * hr];
-            dk[n][2 * hr + 1] = i1 + f1 * acc[n][2 * hr + 1];
+            dk[n][2 * hr] += acc[n][2 * hr] * fast_exp2(-d.x);
+            dk[n][2 * hr + 1] += acc[n][2 * hr + 1] * fast_exp2(-d.y);
           }
         }
       }
-      if (pass == 1) store_inter(inter);
     }
     __syncthreads();  // every warp group's reads of the tiles are done: `copy` overlaps them
   } else {
