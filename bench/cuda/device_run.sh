@@ -110,7 +110,8 @@ for step in "$@"; do
       done; done 2>&1 | tee "$LOG/ab.log" | grep -E "==|fwd\+bwd" ;;
     variants) # libgla builds in build-cuda/variants/<name> (AB_VARIANTS, e.g. from
       # bench/cuda/experiments/state_store_variants.sh) against build-cuda: ncu durations of the ws
-      # kernels and dqk (VARIANT_KERNELS, a regex) per case, then two interleaved rounds of bench_training.py --no-fla
+      # kernels and dqk (VARIANT_KERNELS, a regex) per case, two interleaved rounds of bench_training.py --no-fla,
+      # then the backward's gtests (*CudaBackward*, the SPEC grid included) against each variant
       libs="$PWD/build-cuda"; for v in ${AB_VARIANTS:-}; do libs="$libs $PWD/build-cuda/variants/$v"; done
       for c in "B8 T4096 H16 D128" "B8 T2048 H4 K256 V512"; do for d in $libs; do
         echo "== $d $c"; PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 ncu --csv --metrics gpu__time_duration.sum \
@@ -119,7 +120,14 @@ for step in "$@"; do
       for r in 1 2; do for d in $libs; do echo "== $d"
         PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 python3 bench/cuda/bench_training.py --no-fla --reps 30 \
           --cases "B8 T2048 H4 K256 V512,B8 T4096 H16 D128,B4 T4096 H16 K128 V256"
-      done; done 2>&1 | tee "$LOG/variants_ab.log" | grep -E "==|fwd\+bwd" ;;
+      done; done 2>&1 | tee "$LOG/variants_ab.log" | grep -E "==|fwd\+bwd"
+      # then the backward's GPU tests against each variant's library (carry build-cuda/tests/cpp/gla_tests,
+      # which loads libgla.so from LD_LIBRARY_PATH)
+      [ -x build-cuda/tests/cpp/gla_tests ] && for v in ${AB_VARIANTS:-}; do
+        LD_LIBRARY_PATH=build-cuda/variants/$v timeout 60 ./build-cuda/tests/cpp/gla_tests --gtest_filter='*CudaBackward*' \
+          > "$LOG/gtest_variant_$v.log" 2>&1
+        echo "$v: $(grep -E '^\[  (FAILED|PASSED) ' "$LOG/gtest_variant_$v.log" | tr '\n' ' ')"
+      done | tee "$LOG/variants_gtest.log" ;;
     training) # the same-run table against fla (TRAINING_CASES: labels, default all), fla's autotune
       # choices seeded from bench/cuda/fla_autotune and the new ones collected in logs/fla_autotune
       # (commit them: triton_autotune_cache.py)
