@@ -121,8 +121,7 @@ for step in "$@"; do
         PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 python3 bench/cuda/bench_training.py --no-fla --reps 30 \
           --cases "B8 T2048 H4 K256 V512,B8 T4096 H16 D128,B4 T4096 H16 K128 V256"
       done; done 2>&1 | tee "$LOG/variants_ab.log" | grep -E "==|fwd\+bwd"
-      # then the backward's GPU tests against each variant's library (carry build-cuda/tests/cpp/gla_tests,
-      # which loads libgla.so from LD_LIBRARY_PATH)
+      # (carry build-cuda/tests/cpp/gla_tests: it loads libgla.so from LD_LIBRARY_PATH)
       [ -x build-cuda/tests/cpp/gla_tests ] && for v in ${AB_VARIANTS:-}; do
         LD_LIBRARY_PATH=build-cuda/variants/$v timeout 60 ./build-cuda/tests/cpp/gla_tests --gtest_filter='*CudaBackward*' \
           > "$LOG/gtest_variant_$v.log" 2>&1
