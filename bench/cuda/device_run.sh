@@ -108,8 +108,8 @@ for step in "$@"; do
         pkg=python; [ "$d" != "$PWD/build-cuda" ] && [ -d "$d/python" ] && pkg=$d/python
         PYTHONPATH=$pkg GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 python3 bench/cuda/bench_training.py --no-fla
       done; done 2>&1 | tee "$LOG/ab.log" | grep -E "==|fwd\+bwd" ;;
-    variants) # libgla builds in build-cuda/variants/<name> (AB_VARIANTS, e.g. from
-      # bench/cuda/experiments/state_store_variants.sh) against build-cuda: ncu durations of the ws
+    variants) # libgla builds in build-cuda/variants/<name> (AB_VARIANTS: from a commit by
+      # bench/cuda/build_library_at.sh, or bench/cuda/experiments/state_store_variants.sh) against build-cuda: ncu durations of the ws
       # kernels and dqk (VARIANT_KERNELS, a regex) per case, two interleaved rounds of bench_training.py --no-fla,
       # then the backward's gtests (*CudaBackward*, the SPEC grid included) against each variant
       libs="$PWD/build-cuda"; for v in ${AB_VARIANTS:-}; do libs="$libs $PWD/build-cuda/variants/$v"; done
