@@ -2,8 +2,10 @@
 # Builds libgla.so and libgla_torch.so from a git ref into build-cuda/variants/<name>, for the
 # `variants` step of device_run.sh (A/B of whole libraries through gla.chunk_gla, and the
 # backward's gtests against each). The ref's tree is exported to build-cuda/variant-trees/<name>
-# and built in build-cuda/variant-builds/<name> (kept, so a second build of a nearby ref is
-# incremental); the working tree and build-cuda/ itself are not touched:
+# with the extraction time as every file's mtime (`tar -m`: git archive's mtimes are the commit's,
+# which can predate the objects of an earlier build in the same folder, and ninja would then keep
+# them) and built in build-cuda/variant-builds/<name>; the working tree and build-cuda/ itself
+# are not touched:
 #   bash bench/cuda/build_library_at.sh dc2ee3c tma
 #   AB_VARIANTS=tma bash bench/cuda/device_run.sh variants   # on the device; carry build-cuda/variants/tma
 set -euo pipefail
@@ -14,7 +16,7 @@ tree="$root/build-cuda/variant-trees/$name"
 build="$root/build-cuda/variant-builds/$name"
 rm -rf "$tree"
 mkdir -p "$tree" "$build" "$root/build-cuda/variants/$name"
-git -C "$root" archive "$ref" | tar -x -C "$tree"
+git -C "$root" archive "$ref" | tar -x -m -C "$tree"
 export PATH=/usr/local/cuda/bin:$PATH
 cmake -S "$tree" -B "$build" -G Ninja -DGLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release > "$build/configure.log" 2>&1 ||
   { tail -20 "$build/configure.log"; exit 1; }

@@ -109,9 +109,10 @@ for step in "$@"; do
         PYTHONPATH=$pkg GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 python3 bench/cuda/bench_training.py --no-fla
       done; done 2>&1 | tee "$LOG/ab.log" | grep -E "==|fwd\+bwd" ;;
     variants) # libgla builds in build-cuda/variants/<name> (AB_VARIANTS: from a commit by
-      # bench/cuda/build_library_at.sh, or bench/cuda/experiments/state_store_variants.sh) against build-cuda: ncu durations of the ws
-      # kernels and dqk (VARIANT_KERNELS, a regex) per case, two interleaved rounds of bench_training.py --no-fla,
-      # then the backward's gtests (*CudaBackward*, the SPEC grid included) against each variant
+      # bench/cuda/build_library_at.sh, or bench/cuda/experiments/state_store_variants.sh) against
+      # build-cuda: ncu durations of the ws kernels and dqk (VARIANT_KERNELS, a regex) per case, two
+      # interleaved rounds of bench_training.py --no-fla, then the backward's gtests (*CudaBackward*,
+      # the SPEC grid included) against each variant
       libs="$PWD/build-cuda"; for v in ${AB_VARIANTS:-}; do libs="$libs $PWD/build-cuda/variants/$v"; done
       for c in "B8 T4096 H16 D128" "B8 T2048 H4 K256 V512"; do for d in $libs; do
         echo "== $d $c"; PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d timeout 60 ncu --csv --metrics gpu__time_duration.sum \
