@@ -7,6 +7,7 @@
 #include "backends/cuda/chunk_backward_dqk_kernel.cuh"
 #include "backends/cuda/chunk_backward_scan.cuh"
 #include "backends/cuda/kernel_attributes.cuh"
+#include "backends/cuda/tensor_map.hpp"
 
 namespace gla::cuda {
 namespace backward {
@@ -93,6 +94,35 @@ __global__ void state_grad_start_kernel(BackwardParams p, const float* reversed_
   }
 }
 
+// dqk's tensor maps (DqkTensorMaps): boxes of 64 values x 64 rows (tokens of do and v, keys of the
+// states). A dimension of extent 1 is never stepped over: its stride is set to a legal one. False
+// where a map cannot be encoded (strides not multiples of 16 bytes, no encoder); dqk then copies by
+// cp.async.
+bool dqk_tensor_maps(const BackwardParams& p, const Workspace& ws, DqkTensorMaps& maps) {
+  if (!p.vector_loads || p.do_ == nullptr || p.V % 8 != 0 || p.num_chunks * p.H > (int64_t(1) << 31) ||
+      p.T > (int64_t(1) << 31)) {
+    return false;
+  }
+  const uint32_t token_box[4] = {kTile, 1, kChunk, 1}, state_box[3] = {kTile, kTile, 1};
+  auto token_map = [&](CUtensorMap* map, const void* base, const int64_t* stride) {
+    const uint64_t dims[4] = {uint64_t(p.V), uint64_t(p.H), uint64_t(p.T), uint64_t(p.B)};
+    const int64_t row_bytes = p.V * 2;
+    const int64_t h_bytes = p.H > 1 ? stride[2] * 2 : row_bytes;
+    const int64_t t_bytes = p.T > 1 ? stride[1] * 2 : h_bytes * p.H;
+    const int64_t b_bytes = p.B > 1 ? stride[0] * 2 : t_bytes * p.T;
+    if (h_bytes <= 0 || t_bytes <= 0 || b_bytes <= 0) return false;
+    const uint64_t strides[3] = {uint64_t(h_bytes), uint64_t(t_bytes), uint64_t(b_bytes)};
+    return encode_swizzled_map(map, base, 4, dims, strides, token_box);
+  };
+  auto state_map = [&](CUtensorMap* map, const void* base) {
+    const uint64_t dims[3] = {uint64_t(p.V), uint64_t(p.K), uint64_t(p.num_chunks * p.H)};
+    const uint64_t strides[2] = {uint64_t(p.V) * 2, uint64_t(p.K * p.V) * 2};
+    return encode_swizzled_map(map, base, 3, dims, strides, state_box);
+  };
+  return token_map(&maps.dO, p.do_, p.do_stride) && token_map(&maps.v, p.v, p.v_stride) &&
+         state_map(&maps.states, ws.states) && state_map(&maps.state_grads, ws.state_grads);
+}
+
 template <typename E>
 cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, const Workspace& ws, void* base,
                          cudaStream_t stream) {
@@ -125,8 +155,10 @@ cudaError_t launch_typed(const BackwardParams& p, const BackwardPlan& plan, cons
   if (p.dq != nullptr || p.dk != nullptr || p.dg != nullptr) {
     const size_t bytes = sizeof(DqkShared);
     if ((err = detail::allow_dynamic_shared_memory<dqk_kernel<E>>(bytes, detail::Carveout::kMaxShared)) != cudaSuccess) return err;
+    DqkTensorMaps maps{};
+    maps.enabled = dqk_tensor_maps(p, ws, maps) ? 1 : 0;
     dqk_kernel<E><<<dim3(static_cast<unsigned>(p.num_chunks * plan.key_tiles), static_cast<unsigned>(p.H)),
-                    kGradThreads, bytes, stream>>>(p, plan, ws);
+                    kGradThreads, bytes, stream>>>(p, plan, ws, maps);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.dg != nullptr && p.gate_per_head && plan.key_tiles > 1) {

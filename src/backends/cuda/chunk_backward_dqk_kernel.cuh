@@ -42,6 +42,8 @@
 
 #include "backends/cuda/chunk_backward_common.cuh"
 #include "backends/cuda/chunk_layout.hpp"
+#include "backends/cuda/mbarrier.cuh"
+#include "backends/cuda/tensor_copy.cuh"
 #include "backends/cuda/wgmma.cuh"
 
 namespace gla::cuda::backward {
@@ -137,6 +139,17 @@ __device__ __forceinline__ int value_offset(int r, int c) {
   }
 }
 
+// The value tiles by tensor copies (sm_90a): one thread asks for a tile's four 64 x 64 boxes, an
+// mbarrier per buffer counts their bytes, so the 256 threads form no addresses (16 instructions
+// per cp.async, 8 cp.async per thread and value tile). Maps encoded by the host
+// (chunk_backward.cu): do and v as [B, T, H, V], the chunk states and state gradients as
+// [num_chunks · H, K, V]; enabled = 0 where they could not be (the cp.async path then serves).
+struct DqkTensorMaps {
+  CUtensorMap dO, v, states, state_grads;
+  int32_t enabled;
+};
+constexpr uint32_t kValueTileBytes = 4 * kChunk * kTile * 2;  // do, v, S, dS boxes of one value tile
+
 struct DqkValueTiles {
   alignas(1024) uint16_t dO[kChunk * kLd16];
   alignas(1024) uint16_t v[kChunk * kLd16];
@@ -176,6 +189,7 @@ struct DqkShared {
   float next_gate[kTile];
   float inter_part[4][kTile];  // per sub-chunk: column sums of k ⊙ dk^inter
   float column_part[kRowGroups][kTile];  // per-column partial sums of row groups (gate cumsum, dg)
+  alignas(8) uint64_t value_ready[2];    // per value buffer: its tensor copies have landed (phase per use)
 };
 // Two CTAs per SM on sm_90 (228 KiB of shared memory, 1 KiB reserved per CTA): the design's other
 // half of the latency hiding (one CTA's loads and barriers overlap the other's work).
@@ -220,7 +234,8 @@ __device__ __forceinline__ float2 pair_at(const uint16_t* tile, int pitch, int r
 
 // grid: (num_chunks * key_tiles, H)
 template <typename E>
-__global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, BackwardPlan plan, Workspace ws) {
+__global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, BackwardPlan plan, Workspace ws,
+                                                                  const __grid_constant__ DqkTensorMaps maps) {
   using X = detail::Elem<E>;
   using detail::fast_exp2;
   using detail::ldsm_x4;
@@ -250,11 +265,40 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   const StateElement* dS_c = ws.state_grads + (chunk * p.H + h) * p.K * p.V;
   const int64_t state_stride[3] = {0, p.V, 0};  // a state block as a tile: rows are keys
   const bool state_vector = p.V % 8 == 0;
-  // Value tile vt (do, v and the states' 64 columns) into buffer `buf`, one commit group.
+  // Tensor copies read past a short chunk's last row only when a batch row ends there (zeros); a
+  // packed sequence's last chunk takes the cp.async path (the boxes would read the next sequence).
+  const bool tensor_copies = kValueWgmma && maps.enabled != 0 && (rows == kChunk || p.varlen == 0);
+  if (tensor_copies && tid == 0) {
+    detail::mbar_init(&sh.value_ready[0], 1);
+    detail::mbar_init(&sh.value_ready[1], 1);
+    detail::mbar_init_fence();
+  }
+  // ptxas issues the init from warp 0's uniform datapath: racecheck counted it as the whole warp's
+  // write and thread 0's first arrive below as a read racing with it (a warning per CTA) until the
+  // warp synchronised in between.
+  __syncwarp();
+  // Value tile vt (do, v and the states' 64 columns) into buffer `buf`: tensor copies completing
+  // on value_ready[buf], or one cp.async commit group.
   auto stage_values = [&](int vt, int buf) {
     const int64_t v0 = int64_t(vt) * kTile;
     const int64_t vv = p.V - v0 < kTile ? p.V - v0 : kTile;
     DqkValueTiles& d = sh.u.loop[buf];
+    if (tensor_copies) {
+      if (tid == 0) {
+        // The buffer's generic-proxy writes (fp16 conversions two tiles ago) before the copies'.
+        detail::fence_proxy_async_smem();
+        void* ready = &sh.value_ready[buf];
+        detail::mbar_arrive_expect_bytes(ready, kValueTileBytes);
+        const int32_t c0 = static_cast<int32_t>(v0), head = static_cast<int32_t>(h);
+        const int32_t t0 = static_cast<int32_t>(ch.t0), batch = static_cast<int32_t>(ch.batch);
+        const int32_t block = static_cast<int32_t>(chunk * p.H + h), key = static_cast<int32_t>(k0);
+        detail::tensor_copy_4d(d.dO, &maps.dO, c0, head, t0, batch, ready);
+        detail::tensor_copy_4d(d.v, &maps.v, c0, head, t0, batch, ready);
+        detail::tensor_copy_3d(d.S, &maps.states, c0, key, block, ready);
+        detail::tensor_copy_3d(d.dS, &maps.state_grads, c0, key, block, ready);
+      }
+      return;
+    }
     stage_tile<kGradThreads, true>(d.dO, p.do_, p.do_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
     stage_tile<kGradThreads, true>(d.v, p.v, p.v_stride, ch.batch, ch.t0, h, rows, v0, vv, p.vector_loads, tid);
     stage_tile<kGradThreads, true>(d.S, S_c + k0 * p.V, state_stride, 0, 0, 0, kv, v0, vv, state_vector, tid);
@@ -321,9 +365,16 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   const int b_row = (lane & 7) + (mi >> 1) * 8, b_col = (mi & 1) * 8;  // of two B n8 tiles, [n][k] storage
   for (int vt = 0; vt < plan.value_tiles; ++vt) {
     DqkValueTiles& d = sh.u.loop[vt & 1];
-    if (vt + 1 < plan.value_tiles) detail::cp_async_wait_one(); else detail::cp_async_wait_all();
-    // This thread's own groups of the states (its copies have landed): the row sums, and fp16
-    // operands converted in place (the states are bf16).
+    if (tensor_copies) {
+      if (vt == 0) detail::cp_async_wait_all();  // q and k
+      detail::mbar_wait(&sh.value_ready[vt & 1], (vt >> 1) & 1);
+    } else if (vt + 1 < plan.value_tiles) {
+      detail::cp_async_wait_one();
+    } else {
+      detail::cp_async_wait_all();
+    }
+    // This thread's groups of the states (landed: its own copies, or the buffer's tensor copies):
+    // the row sums, and fp16 operands converted in place (the states are bf16).
 #pragma unroll
     for (int i = 0; i < kStateGroups; ++i) {
       const int e = tid + i * kGradThreads, r = e >> 3, c = (e & 7) * 8;

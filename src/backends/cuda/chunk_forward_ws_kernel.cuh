@@ -33,6 +33,7 @@
 #include "backends/cuda/chunk_layout.hpp"
 #include "backends/cuda/chunk_tile_ops.cuh"
 #include "backends/cuda/device_utils.cuh"
+#include "backends/cuda/mbarrier.cuh"
 #include "backends/cuda/wgmma.cuh"
 
 namespace gla::cuda::detail {
@@ -48,29 +49,8 @@ __device__ __forceinline__ void named_sync(int id, int count) {
 // bar.arrive's release; named barriers measured within 1% at B8 T4096 H16 D128 on the H200). One
 // arrival per thread: arriving once per warp after __syncwarp is as fast, but racecheck does not
 // carry the warp's accesses through lane 0's arrival.
-// mbarrier hand-off: arrive by every thread of the group, wait on the phase parity. Use k of slot
-// s (chunk c, k = (c - c_begin) / 2) completes phase k.
-__device__ __forceinline__ void mbar_init(void* b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(b)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(void* b) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(void* b, uint32_t parity) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra WAIT_%=;\n}\n" ::"r"(
-          smem_addr(b)),
-      "r"(parity)
-      : "memory");
-#else
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT_%=:\n mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra WAIT_%=;\n}\n" ::"r"(
-          smem_addr(b)),
-      "r"(parity)
-      : "memory");
-#endif
-}
+// mbarrier hand-off (mbarrier.cuh): every thread of a group arrives, the other group waits on the
+// phase parity. Use k of slot s (chunk c, k = (c - c_begin) / 2) completes phase k.
 
 // The h = 8 level copy of a two-thread split item (8 rows at an 8-aligned row, `base` = its first
 // row and column pair): the 8 rows are the block's key members (first half, pivot its last row) or
