@@ -273,9 +273,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     detail::mbar_init(&sh.value_ready[1], 1);
     detail::mbar_init_fence();
   }
-  // ptxas issues the init from warp 0's uniform datapath: racecheck counted it as the whole warp's
-  // write and thread 0's first arrive below as a read racing with it (a warning per CTA) until the
-  // warp synchronised in between.
+  // ptxas issues the init from warp 0's uniform datapath, which racecheck counts as the whole warp's
+  // write: without this, thread 0's first arrive below read as racing with it (a warning per CTA).
   __syncwarp();
   // Value tile vt (do, v and the states' 64 columns) into buffer `buf`: tensor copies completing
   // on value_ready[buf], or one cp.async commit group.
