@@ -36,21 +36,11 @@ constexpr int kSlice = kIntraSliceKeys;
 // inside bf16's range; their products q_t k_s 2^{b_t - b_s} do not grow at all.
 constexpr float kOnePivotRange = 32.0f;
 
-// One stage for a 16-bit gate: three CTAs per SM (B8 T4096 H16 K = V = 256 forward 1.885 ms with two
-// stages and two CTAs per SM, 1.838 ms; B8 T2048 H4 K256 V512 0.411 both, H200 harness).
-template <int GATE_BYTES>
-constexpr int kIntraStagesFor = GATE_BYTES == 2 ? 1 : 2;
-
-// GATE_BYTES: the gate's element size (4 for fp32, 2 for 16-bit), a compile-time constant so that
-// the 32 gate reads per thread and slice address shared memory by immediate offsets (as run-time
-// values they cost ~10 predicated address instructions per read).
-template <typename E, int GATE_BYTES>
-__global__ void __launch_bounds__(kIntraThreads, kIntraStagesFor<GATE_BYTES> == 1 ? 3 : 2)
+template <typename E, int STAGES>
+__global__ void __launch_bounds__(kIntraThreads, STAGES == 1 ? 3 : 2)
 chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict__ intra, int64_t max_chunks,
                    const PreparedInputs prepared) {
   using X = Elem<E>;
-  constexpr int STAGES = kIntraStagesFor<GATE_BYTES>;
-  constexpr int gate_bytes = GATE_BYTES;
   constexpr int NT = kIntraThreads;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -58,6 +48,7 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   const SeqSpan seq = forward_sequence(p, n);
   if (c * kChunk >= seq.len) return;
   const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
+  const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
   const bool per_head = p.gate_per_head != 0;
   const IntraSmem L = intra_smem_layout(STAGES, gate_bytes);
   uint16_t* qloc = reinterpret_cast<uint16_t*>(smem + L.qloc);
@@ -119,16 +110,12 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
       }
     }
     if (per_head) {
-      // Each row's gate written to every column of the slice: the element-wise phase then reads one
-      // layout whatever the gate's form.
-      for (int i = tid; i < kChunk * kSlice; i += NT) {
-        const int r = i / kSlice, cc = i % kSlice;
+      for (int r = tid; r < kChunk; r += NT) {
         const bool ok = r < rows && r >= gate_row0;
         if (gate_bytes == 4) {
-          reinterpret_cast<float*>(st + L.g)[r * L.pg + cc] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1]] : 0.f;
+          reinterpret_cast<float*>(st + L.g)[r] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1]] : 0.f;
         } else {
-          reinterpret_cast<uint16_t*>(st + L.g)[r * L.pg + cc] =
-              ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1]] : uint16_t(0);
+          reinterpret_cast<uint16_t*>(st + L.g)[r] = ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1]] : uint16_t(0);
         }
       }
     }
@@ -174,14 +161,12 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
     // ---- phase 1: e, the sub-chunk totals, qloc and kloc of one (key, sub-chunk) ----
     bool one_pivot;
     {
-      // cum[r]: the inclusive cumsum inside the sub-chunk (the one-pivot copies' exponents too).
-      float e[16], cum[16], total = 0.f, c7 = 0.f, cmax = 0.f, cmin = 0.f;
+      float e[16], total = 0.f, c7 = 0.f, cmax = 0.f, cmin = 0.f;
 #pragma unroll
       for (int r = 0; r < 16; ++r) {
         const int t = esub * 16 + r;
-        const float g = gate_log2<X>(gs, t, ecol, L.pg, false, gate_bytes);
+        const float g = gate_log2<X>(gs, t, ecol, L.pg, per_head, gate_bytes);
         total += g;
-        cum[r] = total;
         if (r == 7) c7 = total;
         cmax = r == 0 ? total : fmaxf(cmax, total);
         cmin = r == 0 ? total : fminf(cmin, total);
@@ -207,10 +192,12 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
       if (one_pivot) {
         // In place, each thread its own entries: q 2^{c_t - c_7} and k 2^{c_7 - c_s} as bf16 high
         // parts over the raw q and k, the low parts in e's space (unused by this form).
+        float c = 0.f;
 #pragma unroll
         for (int r = 0; r < 16; ++r) {
           const int t = esub * 16 + r, at = t * L.pq + ecol;
-          const float d = cum[r] - c7;
+          c += gate_log2<X>(gs, t, ecol, L.pg, per_head, gate_bytes);
+          const float d = c - c7;
           const float xq = X::to_float(qs[at]) * fast_exp2(d), xk = X::to_float(ks[at]) * fast_exp2(-d);
           const uint16_t hq = Elem<__nv_bfloat16>::from_float(xq), hk = Elem<__nv_bfloat16>::from_float(xk);
           qs[at] = hq;
@@ -365,13 +352,13 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   }
 }
 
-template <typename E, int GATE_BYTES>
+template <typename E, int STAGES>
 cudaError_t run_intra(const ForwardParams& p, int64_t max_chunks, uint16_t* intra, const PreparedInputs& prepared,
                       cudaStream_t stream) {
-  const IntraSmem L = intra_smem_layout(kIntraStagesFor<GATE_BYTES>, GATE_BYTES);
-  if (const cudaError_t err = allow_dynamic_shared_memory<chunk_intra_kernel<E, GATE_BYTES>>(L.total); err != cudaSuccess) return err;
+  const IntraSmem L = intra_smem_layout(STAGES, p.gate_dtype == kF32 ? 4 : 2);
+  if (const cudaError_t err = allow_dynamic_shared_memory<chunk_intra_kernel<E, STAGES>>(L.total); err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.N * max_chunks), static_cast<unsigned>(p.H));
-  chunk_intra_kernel<E, GATE_BYTES><<<grid, kIntraThreads, L.total, stream>>>(p, intra, max_chunks, prepared);
+  chunk_intra_kernel<E, STAGES><<<grid, kIntraThreads, L.total, stream>>>(p, intra, max_chunks, prepared);
   return cudaGetLastError();
 }
 
@@ -380,13 +367,15 @@ cudaError_t run_intra(const ForwardParams& p, int64_t max_chunks, uint16_t* intr
 cudaError_t launch_intra_matrix(const ForwardParams& p, int64_t max_chunks, uint16_t* intra,
                                 const PreparedInputs& prepared, cudaStream_t stream) {
   if (p.N == 0 || p.H == 0 || max_chunks == 0) return cudaSuccess;
-  const bool f32_gate = p.gate_dtype == kF32;
+  // One stage for a 16-bit gate: three CTAs per SM (B8 T4096 H16 K = V = 256 forward 1.885 ms with two
+  // stages and two CTAs per SM, 1.838 ms; B8 T2048 H4 K256 V512 0.411 both, H200 harness).
+  const bool one_stage = p.gate_dtype != kF32;
   if (p.dtype == kBF16) {
-    return f32_gate ? run_intra<__nv_bfloat16, 4>(p, max_chunks, intra, prepared, stream)
-                    : run_intra<__nv_bfloat16, 2>(p, max_chunks, intra, prepared, stream);
+    return one_stage ? run_intra<__nv_bfloat16, 1>(p, max_chunks, intra, prepared, stream)
+                     : run_intra<__nv_bfloat16, 2>(p, max_chunks, intra, prepared, stream);
   }
-  return f32_gate ? run_intra<__half, 4>(p, max_chunks, intra, prepared, stream)
-                  : run_intra<__half, 2>(p, max_chunks, intra, prepared, stream);
+  return one_stage ? run_intra<__half, 1>(p, max_chunks, intra, prepared, stream)
+                   : run_intra<__half, 2>(p, max_chunks, intra, prepared, stream);
 }
 
 }  // namespace gla::cuda::detail
