@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   // col0 + 8 n + fc + (e & 1). `hr` below is e >> 1; pairs (e & 1) are handled together.
   auto col_of = [&](int n) { return col0 + 8 * n + fc; };
 
-  // ---- loads: q, k and the first two value tiles by cp.async, the gate through registers ----
+  // ---- loads: q and k by cp.async, the first two value tiles by tensor copies or cp.async, the gate
+  // through registers ----
   const StateElement* S_c = ws.states + (chunk * p.H + h) * p.K * p.V;
   const StateElement* dS_c = ws.state_grads + (chunk * p.H + h) * p.K * p.V;
   const int64_t state_stride[3] = {0, p.V, 0};  // a state block as a tile: rows are keys
