@@ -46,9 +46,10 @@ for step in "$@"; do
       rm -f "$LOG/ws.ncu-rep" ;;
     ncudqk) # the same for the backward's dqk_kernel, through the public call (one fwd+bwd of
       # NCU_CASE, a bench_training.py label, default B8 T4096 H16 D128; carry the library), summarised
-      # by the regions between its barriers (ncu_regions.py)
+      # by the regions between its barriers (ncu_regions.py); NCU_KERNEL (a regex, default dqk_kernel)
+      # picks another kernel of the call, e.g. chunk_intra with NCU_CASE="B8 T2048 H4 K256 V512"
       PYTHONPATH=python GLA_LIBRARY=build-cuda/libgla.so LD_LIBRARY_PATH=build-cuda ncu --clock-control none --set full \
-        --import-source no -k regex:dqk_kernel -c 1 -o "$LOG/dqk" python3 bench/cuda/kernel_times.py --once \
+        --import-source no -k regex:${NCU_KERNEL:-dqk_kernel} -c 1 -o "$LOG/dqk" python3 bench/cuda/kernel_times.py --once \
         --cases "${NCU_CASE:-B8 T4096 H16 D128}" > "$LOG/ncu_dqk_run.log" 2>&1
       ncu -i "$LOG/dqk.ncu-rep" --page source --csv --print-source sass > "$LOG/dqk_sass.csv" 2> "$LOG/dqk_sass.err"
       ncu -i "$LOG/dqk.ncu-rep" --page details > "$LOG/dqk_details.txt" 2>&1
