@@ -47,15 +47,17 @@ for step in "$@"; do
     ncudqk) # the same for the backward's dqk_kernel, through the public call (one fwd+bwd of
       # NCU_CASE, a bench_training.py label, default B8 T4096 H16 D128; carry the library), summarised
       # by the regions between its barriers (ncu_regions.py); NCU_KERNEL (a regex, default dqk_kernel)
-      # picks another kernel of the call, e.g. chunk_intra with NCU_CASE="B8 T2048 H4 K256 V512"
+      # picks another kernel of the call, e.g. chunk_intra with NCU_CASE="B8 T2048 H4 K256 V512"; the
+      # logs are named after it (logs/<kernel>_regions.txt, ...)
+      kernel=${NCU_KERNEL:-dqk_kernel}; out="$LOG/${kernel//[^A-Za-z0-9_]/_}"
       PYTHONPATH=python GLA_LIBRARY=build-cuda/libgla.so LD_LIBRARY_PATH=build-cuda ncu --clock-control none --set full \
-        --import-source no -k regex:${NCU_KERNEL:-dqk_kernel} -c 1 -o "$LOG/dqk" python3 bench/cuda/kernel_times.py --once \
-        --cases "${NCU_CASE:-B8 T4096 H16 D128}" > "$LOG/ncu_dqk_run.log" 2>&1
-      ncu -i "$LOG/dqk.ncu-rep" --page source --csv --print-source sass > "$LOG/dqk_sass.csv" 2> "$LOG/dqk_sass.err"
-      ncu -i "$LOG/dqk.ncu-rep" --page details > "$LOG/dqk_details.txt" 2>&1
-      grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy" "$LOG/dqk_details.txt" | head -12
-      python3 bench/cuda/ncu_regions.py "$LOG/dqk_sass.csv" --top 15 2>&1 | tee "$LOG/dqk_regions.txt" | head -60
-      rm -f "$LOG/dqk.ncu-rep" ;;
+        --import-source no -k "regex:$kernel" -c 1 -o "$out" python3 bench/cuda/kernel_times.py --once \
+        --cases "${NCU_CASE:-B8 T4096 H16 D128}" > "${out}_run.log" 2>&1
+      ncu -i "$out.ncu-rep" --page source --csv --print-source sass > "${out}_sass.csv" 2> "${out}_sass.err"
+      ncu -i "$out.ncu-rep" --page details > "${out}_details.txt" 2>&1
+      grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Achieved Occupancy" "${out}_details.txt" | head -12
+      python3 bench/cuda/ncu_regions.py "${out}_sass.csv" --top 15 2>&1 | tee "${out}_regions.txt" | head -60
+      rm -f "$out.ncu-rep" ;;
     sanitize) export GLA_CHECK_SMALL=1
       timeout 240 compute-sanitizer --tool memcheck ./build-cuda/harness check 2>&1 | tail -25 | tee "$LOG/memcheck.log"
       # the shipped kernels as built (mbarrier hand-off); the whole report is kept for the warnings
