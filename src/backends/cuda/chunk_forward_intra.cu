@@ -6,7 +6,7 @@
 //
 // One CTA per (sequence, chunk, head), 256 threads. The keys are taken in slices of 64 (cp.async,
 // kIntraStages stages), each slice in two phases between barriers:
-//   1. element-wise, one thread per (key, sub-chunk): the factors e_u = 2^{g_u log2 e}, the
+//   1. element-wise, one thread per (key pair, half sub-chunk): the factors e_u = 2^{g_u log2 e}, the
 //      sub-chunk totals, and the pivoted copies qloc = q 2^{c}, kloc = k 2^{Tot - c} (c the inclusive
 //      cumsum inside the sub-chunk) into buffers of their own; then, where every |c_r - c_7| of the
 //      slice is at most kOnePivotRange (a CTA-wide vote), the diagonal's one-pivot copies
@@ -36,11 +36,21 @@ constexpr int kSlice = kIntraSliceKeys;
 // inside bf16's range; their products q_t k_s 2^{b_t - b_s} do not grow at all.
 constexpr float kOnePivotRange = 32.0f;
 
-template <typename E, int STAGES>
-__global__ void __launch_bounds__(kIntraThreads, STAGES == 1 ? 3 : 2)
+// One stage for a 16-bit gate: three CTAs per SM (B8 T4096 H16 K = V = 256 forward 1.885 ms with two
+// stages and two CTAs per SM, 1.838 ms; B8 T2048 H4 K256 V512 0.411 both, H200 harness).
+template <int GATE_BYTES>
+constexpr int kIntraStagesFor = GATE_BYTES == 2 ? 1 : 2;
+
+// GATE_BYTES: the gate's element size (4 for fp32, 2 for 16-bit), a compile-time constant so that
+// the 32 gate reads per thread and slice address shared memory by immediate offsets (as run-time
+// values they cost ~10 predicated address instructions per read).
+template <typename E, int GATE_BYTES>
+__global__ void __launch_bounds__(kIntraThreads, kIntraStagesFor<GATE_BYTES> == 1 ? 3 : 2)
 chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict__ intra, int64_t max_chunks,
                    const PreparedInputs prepared) {
   using X = Elem<E>;
+  constexpr int STAGES = kIntraStagesFor<GATE_BYTES>;
+  constexpr int gate_bytes = GATE_BYTES;
   constexpr int NT = kIntraThreads;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -48,7 +58,6 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   const SeqSpan seq = forward_sequence(p, n);
   if (c * kChunk >= seq.len) return;
   const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
-  const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
   const bool per_head = p.gate_per_head != 0;
   const IntraSmem L = intra_smem_layout(STAGES, gate_bytes);
   uint16_t* qloc = reinterpret_cast<uint16_t*>(smem + L.qloc);
@@ -110,12 +119,16 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
       }
     }
     if (per_head) {
-      for (int r = tid; r < kChunk; r += NT) {
+      // Each row's gate written to every column of the slice: the element-wise phase then reads one
+      // layout whatever the gate's form.
+      for (int i = tid; i < kChunk * kSlice; i += NT) {
+        const int r = i / kSlice, cc = i % kSlice;
         const bool ok = r < rows && r >= gate_row0;
         if (gate_bytes == 4) {
-          reinterpret_cast<float*>(st + L.g)[r] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1]] : 0.f;
+          reinterpret_cast<float*>(st + L.g)[r * L.pg + cc] = ok ? reinterpret_cast<const float*>(gb)[r * p.g_stride[1]] : 0.f;
         } else {
-          reinterpret_cast<uint16_t*>(st + L.g)[r] = ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1]] : uint16_t(0);
+          reinterpret_cast<uint16_t*>(st + L.g)[r * L.pg + cc] =
+              ok ? reinterpret_cast<const uint16_t*>(gb)[r * p.g_stride[1]] : uint16_t(0);
         }
       }
     }
@@ -146,6 +159,7 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   const int tblk = warp & 3, tcol = 8 * (warp >> 2);
   float tacc[4] = {0.f, 0.f, 0.f, 0.f};
 
+  float* factors = reinterpret_cast<float*>(smem + L.factors);
   const int slices = static_cast<int>((p.K + kSlice - 1) / kSlice);
   issue_slice(0, 0);
   for (int sl = 0; sl < slices; ++sl) {
@@ -158,63 +172,91 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
     __syncthreads();  // slice sl landed; the previous slice's readers of qloc, kloc, e, tot (and its stage) are done
     if (STAGES == 2 && sl + 1 < slices) issue_slice(sl + 1, (sl + 1) & 1);
 
-    // ---- phase 1: e, the sub-chunk totals, qloc and kloc of one (key, sub-chunk) ----
+    // ---- phase 1: e, the sub-chunk totals, qloc and kloc; a thread per (key pair, half sub-chunk) ----
+    // Warp w takes rows 8w .. 8w + 7 (sub-chunk w / 2, its upper half for odd w), lane l keys 2l and
+    // 2l + 1: every shared access moves a 32-bit pair and a warp's row is 128 contiguous bytes
+    // (against one key of 16 rows per thread: 2-byte accesses, twice the instructions). The halves
+    // exchange their totals through the factors' space (free until phase 2) at the vote's barrier.
     bool one_pivot;
     {
-      float e[16], total = 0.f, c7 = 0.f, cmax = 0.f, cmin = 0.f;
+      const int pk = 2 * lane, row0 = 8 * warp;
+      const bool upper = (warp & 1) != 0;
+      float* half_total = factors;  // [8 half sub-chunks][kSlice]
+      // cum: the inclusive cumsum inside the half (log2 units), the copies' exponents too.
+      float e0[8], e1[8], cum0[8], cum1[8], t0 = 0.f, t1 = 0.f, hi0 = 0.f, lo0 = 0.f, hi1 = 0.f, lo1 = 0.f;
 #pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        const int t = esub * 16 + r;
-        const float g = gate_log2<X>(gs, t, ecol, L.pg, per_head, gate_bytes);
-        total += g;
-        if (r == 7) c7 = total;
-        cmax = r == 0 ? total : fmaxf(cmax, total);
-        cmin = r == 0 ? total : fminf(cmin, total);
-        e[r] = fast_exp2(g);
+      for (int r = 0; r < 8; ++r) {
+        float g0, g1;
+        gate_pair_log2<X>(gs, row0 + r, pk, L.pg, false, gate_bytes, g0, g1);
+        t0 += g0;
+        t1 += g1;
+        cum0[r] = t0;
+        cum1[r] = t1;
+        hi0 = r == 0 ? t0 : fmaxf(hi0, t0);
+        lo0 = r == 0 ? t0 : fminf(lo0, t0);
+        hi1 = r == 0 ? t1 : fmaxf(hi1, t1);
+        lo1 = r == 0 ? t1 : fminf(lo1, t1);
+        e0[r] = fast_exp2(g0);
+        e1[r] = fast_exp2(g1);
       }
-      tot[esub * kSlice + ecol] = total;
-      float f = 1.f;
-#pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        const int at = (esub * 16 + r) * L.pq + ecol;
-        f *= e[r];
-        qloc[at] = X::from_float(X::to_float(qs[at]) * f);
-      }
-      f = 1.f;
-#pragma unroll
-      for (int r = 15; r >= 0; --r) {
-        const int at = (esub * 16 + r) * L.pq + ecol;
-        kloc[at] = X::from_float(X::to_float(ks[at]) * f);
-        f *= e[r];
-      }
+      *reinterpret_cast<float2*>(half_total + warp * kSlice + pk) = make_float2(t0, t1);
+      // c_r - c_7 (row 7 is the lower half's last): cum - t in the lower half, cum in the upper.
+      const float p0 = upper ? 0.f : t0, p1 = upper ? 0.f : t1;
+      const bool in_range = hi0 - p0 <= kOnePivotRange && p0 - lo0 <= kOnePivotRange &&
+                            hi1 - p1 <= kOnePivotRange && p1 - lo1 <= kOnePivotRange;
       // The whole CTA takes one form of this slice's diagonal (false for a NaN or infinite gate).
-      one_pivot = __syncthreads_and(cmax - c7 <= kOnePivotRange && c7 - cmin <= kOnePivotRange);
-      if (one_pivot) {
-        // In place, each thread its own entries: q 2^{c_t - c_7} and k 2^{c_7 - c_s} as bf16 high
-        // parts over the raw q and k, the low parts in e's space (unused by this form).
-        float c = 0.f;
+      one_pivot = __syncthreads_and(in_range);
+      const float2 other = *reinterpret_cast<const float2*>(half_total + (warp ^ 1) * kSlice + pk);
+      if (!upper) *reinterpret_cast<float2*>(tot + (warp >> 1) * kSlice + pk) = make_float2(t0 + other.x, t1 + other.y);
+      // qloc = q 2^{c_t}: the upper half starts from the lower half's decay; kloc = k 2^{Tot - c_s}:
+      // the lower half starts from the upper half's.
+      float fq0 = upper ? fast_exp2(other.x) : 1.f, fq1 = upper ? fast_exp2(other.y) : 1.f;
+      float fk0 = upper ? 1.f : fast_exp2(other.x), fk1 = upper ? 1.f : fast_exp2(other.y);
 #pragma unroll
-        for (int r = 0; r < 16; ++r) {
-          const int t = esub * 16 + r, at = t * L.pq + ecol;
-          c += gate_log2<X>(gs, t, ecol, L.pg, per_head, gate_bytes);
-          const float d = c - c7;
-          const float xq = X::to_float(qs[at]) * fast_exp2(d), xk = X::to_float(ks[at]) * fast_exp2(-d);
-          const uint16_t hq = Elem<__nv_bfloat16>::from_float(xq), hk = Elem<__nv_bfloat16>::from_float(xk);
-          qs[at] = hq;
-          ks[at] = hk;
-          q_low[at] = Elem<__nv_bfloat16>::from_float(xq - Elem<__nv_bfloat16>::to_float(hq));
-          k_low[at] = Elem<__nv_bfloat16>::from_float(xk - Elem<__nv_bfloat16>::to_float(hk));
+      for (int r = 0; r < 8; ++r) {
+        const int at = (row0 + r) * L.pq + pk;
+        fq0 *= e0[r];
+        fq1 *= e1[r];
+        const float2 x = X::to_float2(*reinterpret_cast<const uint32_t*>(qs + at));
+        *reinterpret_cast<uint32_t*>(qloc + at) = X::pack(x.x * fq0, x.y * fq1);
+      }
+#pragma unroll
+      for (int r = 7; r >= 0; --r) {
+        const int at = (row0 + r) * L.pq + pk;
+        const float2 x = X::to_float2(*reinterpret_cast<const uint32_t*>(ks + at));
+        *reinterpret_cast<uint32_t*>(kloc + at) = X::pack(x.x * fk0, x.y * fk1);
+        fk0 *= e0[r];
+        fk1 *= e1[r];
+      }
+      if (one_pivot) {
+        // In place, each thread its own entries (after its qloc and kloc read them): q 2^{c_t - c_7}
+        // and k 2^{c_7 - c_s} as bf16 high parts over the raw q and k, the low parts in e's space
+        // (unused by this form).
+        using B16 = Elem<__nv_bfloat16>;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          const int at = (row0 + r) * L.pq + pk;
+          const float d0 = cum0[r] - p0, d1 = cum1[r] - p1;
+          const float2 q = X::to_float2(*reinterpret_cast<const uint32_t*>(qs + at));
+          const float2 k = X::to_float2(*reinterpret_cast<const uint32_t*>(ks + at));
+          const float xq0 = q.x * fast_exp2(d0), xq1 = q.y * fast_exp2(d1);
+          const float xk0 = k.x * fast_exp2(-d0), xk1 = k.y * fast_exp2(-d1);
+          const uint32_t hq = B16::pack(xq0, xq1), hk = B16::pack(xk0, xk1);
+          const float2 rq = B16::to_float2(hq), rk = B16::to_float2(hk);
+          *reinterpret_cast<uint32_t*>(qs + at) = hq;
+          *reinterpret_cast<uint32_t*>(ks + at) = hk;
+          *reinterpret_cast<uint32_t*>(q_low + at) = B16::pack(xq0 - rq.x, xq1 - rq.y);
+          *reinterpret_cast<uint32_t*>(k_low + at) = B16::pack(xk0 - rk.x, xk1 - rk.y);
         }
       } else {
 #pragma unroll
-        for (int r = 0; r < 16; ++r) es[(esub * 16 + r) * L.pe + ecol] = e[r];
+        for (int r = 0; r < 8; ++r) *reinterpret_cast<float2*>(es + (row0 + r) * L.pe + pk) = make_float2(e0[r], e1[r]);
       }
     }
     __syncthreads();  // e or the copies, the totals, qloc and kloc are written
 
     // ---- phase 2: the off-diagonal blocks from qloc/kloc, the diagonal blocks from raw q, k ----
     if (warp < 6) offdiag_accumulate<kSlice, X>(oacc, qloc, kloc, L.pq, tot, bi, bj, lane);
-    float* factors = reinterpret_cast<float*>(smem + L.factors);
     if (prepared.qg != nullptr) {
       // This (key, sub-chunk)'s factors 2^{earlier sub-chunks' totals} and 2^{later ones'}; the
       // first sub-chunk's thread writes the chunk's decay b_last and 2^{b_last}.
@@ -352,13 +394,13 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
   }
 }
 
-template <typename E, int STAGES>
+template <typename E, int GATE_BYTES>
 cudaError_t run_intra(const ForwardParams& p, int64_t max_chunks, uint16_t* intra, const PreparedInputs& prepared,
                       cudaStream_t stream) {
-  const IntraSmem L = intra_smem_layout(STAGES, p.gate_dtype == kF32 ? 4 : 2);
-  if (const cudaError_t err = allow_dynamic_shared_memory<chunk_intra_kernel<E, STAGES>>(L.total); err != cudaSuccess) return err;
+  const IntraSmem L = intra_smem_layout(kIntraStagesFor<GATE_BYTES>, GATE_BYTES);
+  if (const cudaError_t err = allow_dynamic_shared_memory<chunk_intra_kernel<E, GATE_BYTES>>(L.total); err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(p.N * max_chunks), static_cast<unsigned>(p.H));
-  chunk_intra_kernel<E, STAGES><<<grid, kIntraThreads, L.total, stream>>>(p, intra, max_chunks, prepared);
+  chunk_intra_kernel<E, GATE_BYTES><<<grid, kIntraThreads, L.total, stream>>>(p, intra, max_chunks, prepared);
   return cudaGetLastError();
 }
 
@@ -367,15 +409,13 @@ cudaError_t run_intra(const ForwardParams& p, int64_t max_chunks, uint16_t* intr
 cudaError_t launch_intra_matrix(const ForwardParams& p, int64_t max_chunks, uint16_t* intra,
                                 const PreparedInputs& prepared, cudaStream_t stream) {
   if (p.N == 0 || p.H == 0 || max_chunks == 0) return cudaSuccess;
-  // One stage for a 16-bit gate: three CTAs per SM (B8 T4096 H16 K = V = 256 forward 1.885 ms with two
-  // stages and two CTAs per SM, 1.838 ms; B8 T2048 H4 K256 V512 0.411 both, H200 harness).
-  const bool one_stage = p.gate_dtype != kF32;
+  const bool f32_gate = p.gate_dtype == kF32;
   if (p.dtype == kBF16) {
-    return one_stage ? run_intra<__nv_bfloat16, 1>(p, max_chunks, intra, prepared, stream)
-                     : run_intra<__nv_bfloat16, 2>(p, max_chunks, intra, prepared, stream);
+    return f32_gate ? run_intra<__nv_bfloat16, 4>(p, max_chunks, intra, prepared, stream)
+                    : run_intra<__nv_bfloat16, 2>(p, max_chunks, intra, prepared, stream);
   }
-  return one_stage ? run_intra<__half, 1>(p, max_chunks, intra, prepared, stream)
-                   : run_intra<__half, 2>(p, max_chunks, intra, prepared, stream);
+  return f32_gate ? run_intra<__half, 4>(p, max_chunks, intra, prepared, stream)
+                  : run_intra<__half, 2>(p, max_chunks, intra, prepared, stream);
 }
 
 }  // namespace gla::cuda::detail
