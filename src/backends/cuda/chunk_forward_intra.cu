@@ -5,7 +5,7 @@
 // was off by up to 14% (fla's GLA model at K 256, the first tokens), against 0.4% for one rounding.
 //
 // One CTA per (sequence, chunk, head), 256 threads. The keys are taken in slices of 64 (cp.async,
-// kIntraStages stages), each slice in two phases between barriers:
+// kIntraStagesFor stages), each slice in two phases between barriers:
 //   1. element-wise, one thread per (key pair, half sub-chunk): the factors e_u = 2^{g_u log2 e}, the
 //      sub-chunk totals, and the pivoted copies qloc = q 2^{c}, kloc = k 2^{Tot - c} (c the inclusive
 //      cumsum inside the sub-chunk) into buffers of their own; then, where every |c_r - c_7| of the
@@ -136,7 +136,8 @@ chunk_intra_kernel(const __grid_constant__ ForwardParams p, uint16_t* __restrict
     cp_async_commit();
   };
 
-  // Element-wise items: key column ecol of the slice, sub-chunk esub (a warp: 32 consecutive keys).
+  // The prepared inputs' factor items: key column ecol of the slice, sub-chunk esub (a warp: 32
+  // consecutive keys).
   const int ecol = tid & (kSlice - 1), esub = tid / kSlice;
   // Diagonal items: (sub-chunk dsub, key row pair sp, column group cg) adds, per slice, its keys'
   // terms of A[t, s] for s = sp (rows t = sp..15), then s = 15 - sp (rows 15-sp..15): 17 rows on

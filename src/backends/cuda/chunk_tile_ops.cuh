@@ -79,17 +79,6 @@ __device__ __forceinline__ void gate_pair_log2(const unsigned char* gs, int t, i
   g1 *= kLog2e;
 }
 
-// The gate of row t at key column k of a gate tile in shared memory (per-head: one value per row;
-// else fp32 or 16-bit at row pitch `pitch`), in log2 units.
-template <typename X>
-__device__ __forceinline__ float gate_log2(const unsigned char* gs, int t, int k, int pitch, bool per_head,
-                                           int gate_bytes) {
-  const int at = per_head ? t : t * pitch + k;
-  const float g = gate_bytes == 4 ? reinterpret_cast<const float*>(gs)[at]
-                                  : X::to_float(reinterpret_cast<const uint16_t*>(gs)[at]);
-  return g * kLog2e;
-}
-
 // One column pair's 16 gate rows of sub-chunk `sub`: the factors e_r = 2^{g_r} and the sub-chunk's
 // totals a = sum_r g_r (log2 units); per_row(r, t) runs in the same loop (the callers' raw q, k reads).
 template <typename X, bool F32_KEYS = true, typename PerRow>
