@@ -95,9 +95,11 @@ TEST(CudaPlan, KernelChoiceByShape) {
 TEST(CudaPlan, SharedMemoryOfThePlannedKernel) {
   using cuda::detail::chunk_smem_layout;
   using cuda::detail::ws_smem_layout;
-  EXPECT_EQ(plan_for({}).shared_bytes, size_t(ws_smem_layout(128, false, 1).total));
-  EXPECT_EQ(plan_for({.gate_dtype = cuda::kF32, .per_head = 1}).shared_bytes, size_t(ws_smem_layout(128, true, 1).total));
-  EXPECT_EQ(plan_for({.K = 64, .V = 64}).shared_bytes, size_t(ws_smem_layout(64, false, 2).total));
+  EXPECT_EQ(plan_for({}).shared_bytes, size_t(ws_smem_layout(128, 1).total));
+  // a per-head gate takes the per-key layout (its gate in the first values of the gate's stage)
+  EXPECT_EQ(plan_for({.gate_dtype = cuda::kF32, .per_head = 1}).shared_bytes, size_t(ws_smem_layout(128, 1).total));
+  EXPECT_EQ(plan_for({.K = 64, .V = 64}).shared_bytes, size_t(ws_smem_layout(64, 2).total));
+  EXPECT_EQ(plan_for({.K = 64, .V = 64, .per_head = 1}).shared_bytes, size_t(ws_smem_layout(64, 2).total));
   EXPECT_EQ(plan_for({.gate_dtype = cuda::kF32}).shared_bytes, size_t(chunk_smem_layout(128, 128, 4, false).total));
   EXPECT_EQ(plan_for({.K = 60, .V = 60, .vector_loads = 0}).shared_bytes, size_t(chunk_smem_layout(64, 64, 2, false).total));
   EXPECT_EQ(plan_for({.K = 256, .V = 256}).shared_bytes, plan_for({}).shared_bytes);  // two K = 128 halves
@@ -371,9 +373,9 @@ TEST(CudaLayout, Swizzled128ByteTile) {
   EXPECT_GE(cuda::detail::kSwizzledKg, 64 * 128 * 2);                        // qg
   EXPECT_GE(cuda::detail::kSwizzledA - cuda::detail::kSwizzledKg, 64 * 128 * 2);  // kg
   EXPECT_GE(cuda::detail::kSwizzledSlotBytes - cuda::detail::kSwizzledA, 64 * 64 * 2);  // A
-  for (bool per_head : {false, true}) {
-    const cuda::detail::WsSmem L = cuda::detail::ws_smem_layout(128, per_head, 1);
-    EXPECT_LE(2 * cuda::detail::kSwizzledSlotBytes, L.v0) << "per_head " << per_head;
+  {
+    const cuda::detail::WsSmem L = cuda::detail::ws_smem_layout(128, 1);
+    EXPECT_LE(2 * cuda::detail::kSwizzledSlotBytes, L.v0);
     // the second key half's staged o (8 warps x 64 rows x 16 values) in the unused plain qw of slot 0
     EXPECT_LE(8 * 64 * 16 * 2, L.kw(0) - L.qw(0));
   }

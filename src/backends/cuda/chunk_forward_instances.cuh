@@ -51,8 +51,7 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
 template <int DK, typename E, int RS = 16, int KEYHALF = 0, int PREP = 0>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
-  const bool per_head = p.gate_per_head != 0;
-  const int smem_bytes = ws_smem_layout(DK, per_head, 16 / RS).total;
+  const int smem_bytes = ws_smem_layout(DK, 16 / RS).total;
   auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF, PREP>;
   // pass 1 of a segment split (the same for both key halves)
   auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1, PREP ? 1 : 0, PREP>;

@@ -365,7 +365,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
 
   const bool per_head = p.gate_per_head != 0;
   const int gate_bytes = p.gate_dtype == kF32 ? 4 : 2;  // 4 only with per_head here
-  const WsSmem L = ws_smem_layout(DK, per_head, HALVES);
+  const WsSmem L = ws_smem_layout(DK, HALVES);
   if constexpr (kSwz) {
     // the swizzle needs 1024-byte aligned tiles, and the two slots must end before the v stages
     if ((smem_addr(smem) & 1023u) != 0 || 2 * kSwizzledSlotBytes > L.v0) __trap();
@@ -473,17 +473,27 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         uint32_t qv[RS], kv[RS];
         float e0[RS], e1[RS];
         float a0 = 0.f, a1 = 0.f;
+        // The gate's form is tested once per chunk, not per row (per row it cost a branch and both
+        // forms' conversions in each of the RS reads).
+        auto read_rows = [&](auto per_head_form) {
+          constexpr bool kPerHead = decltype(per_head_form)::value;
   #pragma unroll
-        for (int r = 0; r < RS; ++r) {
-          const int t = sub * 16 + row0 + r;
-          float g0, g1;
-          gate_pair_log2<X, false>(gs, t, k0, L.pr, per_head, gate_bytes, g0, g1);
-          a0 += g0;
-          a1 += g1;
-          e0[r] = fast_exp2(g0);
-          e1[r] = fast_exp2(g1);
-          qv[r] = full ? *reinterpret_cast<const uint32_t*>(qs + t * L.pr + k0) : 0u;
-          kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pr + k0);
+          for (int r = 0; r < RS; ++r) {
+            const int t = sub * 16 + row0 + r;
+            float g0, g1;
+            gate_pair_log2<X, false>(gs, t, k0, L.pr, kPerHead, gate_bytes, g0, g1);
+            a0 += g0;
+            a1 += g1;
+            e0[r] = fast_exp2(g0);
+            e1[r] = fast_exp2(g1);
+            qv[r] = full ? *reinterpret_cast<const uint32_t*>(qs + t * L.pr + k0) : 0u;
+            kv[r] = *reinterpret_cast<const uint32_t*>(ks + t * L.pr + k0);
+          }
+        };
+        if (per_head) {
+          read_rows(std::true_type{});
+        } else {
+          read_rows(std::false_type{});
         }
         if constexpr (HALVES == 1) {
           tot[sub * DK + k0] = a0;

@@ -163,7 +163,11 @@ GLA_HD constexpr int ws_dpart_stride(int halves) { return (16 / halves) * 3 / 2;
 // D128 0.388 -> 0.380 ms; with split items at D64 0.365 -> 0.377 ms, so not there).
 GLA_HD constexpr bool ws_far_factor_table(int dk, int halves) { return dk == 128 && halves == 1; }
 // halves = 2: split items (two prep threads per element-wise item, 8 rows each).
-GLA_HD inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
+// The gate's stage is a per-key tile's size whatever the gate's form (a per-head gate uses its first
+// 64 values): one layout, so every offset is a compile-time constant in the kernel, where a layout
+// that depended on the run-time per-head flag made every later region's address a run-time value
+// (the D128 bf16 kernel ~600 SASS instructions longer). The per-key layout is the one that must fit.
+GLA_HD inline WsSmem ws_smem_layout(int dk, int halves = 1) {
   WsSmem s{};
   s.pq = dk + 8;
   s.pv = dk + 8;
@@ -176,7 +180,7 @@ GLA_HD inline WsSmem ws_smem_layout(int dk, bool per_head, int halves = 1) {
   int off = 0;
   s.q = off; off += raw;
   s.k = off; off += raw;
-  s.g = off; off += per_head ? kChunk * 4 : raw;
+  s.g = off; off += raw;
   s.lvl0 = off; s.lvl_step = tile; off += 3 * tile;
   s.v0 = off; s.v_step = kChunk * s.pv * 2; off += 2 * s.v_step;
   s.s_qw = 0;

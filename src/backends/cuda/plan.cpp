@@ -162,9 +162,7 @@ ForwardPlan kernel_plan(const ForwardParams& p) {
   plan.shared_bytes =
       plan.kernel == ForwardKernel::kChunk
           ? size_t(detail::chunk_smem_layout(plan.head_dim_k, plan.value_tile, gate_bytes, p.gate_per_head != 0).total)
-          : size_t(detail::ws_smem_layout(plan.head_dim_k, p.gate_per_head != 0,
-                                          plan.kernel == ForwardKernel::kChunkWsSplit ? 2 : 1)
-                       .total);
+          : size_t(detail::ws_smem_layout(plan.head_dim_k, plan.kernel == ForwardKernel::kChunkWsSplit ? 2 : 1).total);
   return plan;
 }
 
