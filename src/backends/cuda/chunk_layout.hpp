@@ -166,7 +166,8 @@ GLA_HD constexpr bool ws_far_factor_table(int dk, int halves) { return dk == 128
 // The gate's stage is a per-key tile's size whatever the gate's form (a per-head gate uses its first
 // 64 values): one layout, so every offset is a compile-time constant in the kernel, where a layout
 // that depended on the run-time per-head flag made every later region's address a run-time value
-// (the D128 bf16 kernel ~600 SASS instructions longer). The per-key layout is the one that must fit.
+// (the D128 bf16 kernel ~600 SASS instructions longer; one layout: H100 B8 T4096 H16 D128 kernel
+// 459 -> 440 us). The per-key layout is the one that must fit.
 GLA_HD inline WsSmem ws_smem_layout(int dk, int halves = 1) {
   WsSmem s{};
   s.pq = dk + 8;
