@@ -434,34 +434,18 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         const char* kr = k_seq + r0 * k_rs;
         const char* gr = g_seq + r0 * g_rs + lc * 16;
         const int64_t q_step = kRowStep * q_rs, k_step = kRowStep * k_rs, g_step = kRowStep * g_rs;
-        // A whole chunk (every row inside the sequence, no lagged first gate) copies without the
-        // per-row tests and zero-fill selects: ~13 instructions per copy otherwise, ~9% of the prep
-        // group's instructions at D128 (H100 ncu).
-        if (col_ok && rows == kChunk && lo == 0 && !(lag && chunk == 0)) {
   #pragma unroll
-          for (int j = 0; j < kLoadIters; ++j) {
-            const int so = ((lr0 + j * kRowStep) * L.pr + lc * 8) * 2;
-            if (full) cp_async16(smem + L.q + so, qr);
-            cp_async16(smem + L.k + so, kr);
-            if (!per_head) cp_async16(smem + L.g + so, gr);
-            qr += q_step;
-            kr += k_step;
-            gr += g_step;
-          }
-        } else {
-  #pragma unroll
-          for (int j = 0; j < kLoadIters; ++j) {
-            const int r = lr0 + j * kRowStep;
-            const bool ok = col_ok && r < rows && r >= lo;
-            const bool gate_ok = ok && !(lag && chunk == 0 && r == lo);
-            const int so = (r * L.pr + lc * 8) * 2;
-            if (full) cp_async16(smem + L.q + so, ok ? qr : p.q, ok);
-            cp_async16(smem + L.k + so, ok ? kr : p.k, ok);
-            if (!per_head) cp_async16(smem + L.g + so, gate_ok ? gr : p.g, gate_ok);
-            qr += q_step;
-            kr += k_step;
-            gr += g_step;
-          }
+        for (int j = 0; j < kLoadIters; ++j) {
+          const int r = lr0 + j * kRowStep;
+          const bool ok = col_ok && r < rows && r >= lo;
+          const bool gate_ok = ok && !(lag && chunk == 0 && r == lo);
+          const int so = (r * L.pr + lc * 8) * 2;
+          if (full) cp_async16(smem + L.q + so, ok ? qr : p.q, ok);
+          cp_async16(smem + L.k + so, ok ? kr : p.k, ok);
+          if (!per_head) cp_async16(smem + L.g + so, gate_ok ? gr : p.g, gate_ok);
+          qr += q_step;
+          kr += k_step;
+          gr += g_step;
         }
         const char* gb = g_seq + chunk * kChunk * g_rs;
         unsigned char* gst = smem + L.g;
