@@ -145,17 +145,13 @@ __device__ __forceinline__ void store_chunk_state_staged(const float (&S)[DK / 8
     stage_o_tile<Elem<__nv_bfloat16>>(*reinterpret_cast<const float(*)[8][4]>(&S[8 * pass][0]), stage, pitch, vrow,
                                       lane, 1.0f);
     __syncwarp();
-    // The four pieces' loads first, then the predicated stores (store16_if says why).
-    uint4 piece_values[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1;
-      piece_values[i] = *reinterpret_cast<const uint4*>(stage + r * pitch + vrow + half * 8);
-    }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int piece = i * 32 + lane, r = piece >> 1, half = piece & 1, key = 64 * pass + r;
-      store16_if(block + key * st[3] + half * 8, piece_values[i], key < p.K && (half ? values_hi : values_lo));
+      if (key < p.K && (half ? values_hi : values_lo)) {
+        *reinterpret_cast<uint4*>(block + key * st[3] + half * 8) =
+            *reinterpret_cast<const uint4*>(stage + r * pitch + vrow + half * 8);
+      }
     }
   }
   __syncwarp();  // the rows are read before the caller writes the columns again

@@ -134,16 +134,6 @@ __device__ __forceinline__ void stsm_x4_trans(const void* p, uint32_t r0, uint32
                "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                : "memory");
 }
-// 16 bytes to global memory where `ok`, as one predicated store: no branch, so a caller that reads
-// its values from shared memory first keeps those loads ahead of every store (inside a branch per
-// store each load sat between two stores and its store waited for it: H100 ncu, the chunk-state
-// stores of the D128 ws kernel held ~2 200 of its ~45 500 stall samples, nearly all on the load).
-__device__ __forceinline__ void store16_if(void* gmem, uint4 v, bool ok) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(gmem),
-      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(static_cast<int>(ok))
-      : "memory");
-}
 // 16 bytes global -> shared; reads nothing and writes zeros when !valid.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
