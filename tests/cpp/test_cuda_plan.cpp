@@ -373,12 +373,10 @@ TEST(CudaLayout, Swizzled128ByteTile) {
   EXPECT_GE(cuda::detail::kSwizzledKg, 64 * 128 * 2);                        // qg
   EXPECT_GE(cuda::detail::kSwizzledA - cuda::detail::kSwizzledKg, 64 * 128 * 2);  // kg
   EXPECT_GE(cuda::detail::kSwizzledSlotBytes - cuda::detail::kSwizzledA, 64 * 64 * 2);  // A
-  {
-    const cuda::detail::WsSmem L = cuda::detail::ws_smem_layout(128, 1);
-    EXPECT_LE(2 * cuda::detail::kSwizzledSlotBytes, L.v0);
-    // the second key half's staged o (8 warps x 64 rows x 16 values) in the unused plain qw of slot 0
-    EXPECT_LE(8 * 64 * 16 * 2, L.kw(0) - L.qw(0));
-  }
+  const cuda::detail::WsSmem L = cuda::detail::ws_smem_layout(128, 1);
+  EXPECT_LE(2 * cuda::detail::kSwizzledSlotBytes, L.v0);
+  // the second key half's staged o (8 warps x 64 rows x 16 values) in the unused plain qw of slot 0
+  EXPECT_LE(8 * 64 * 16 * 2, L.kw(0) - L.qw(0));
 }
 
 }  // namespace
