@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   const int64_t k0 = int64_t(key_tile) * kTile;
   const int64_t kv = p.K - k0 < kTile ? p.K - k0 : kTile;
   const ChunkRef ch = locate_chunk(p, ws.chunk_offsets, chunk);
-  const int64_t rows = ch.len;
+  const int rows = ch.len;
   // C-fragment entry (n8 tile n, entry e) of this warp: row row0 + fr + 8 (e >> 1), column
   // col0 + 8 n + fc + (e & 1). `hr` below is e >> 1; pairs (e & 1) are handled together.
   auto col_of = [&](int n) { return col0 + 8 * n + fc; };
@@ -467,8 +467,10 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   }
 
   // ---- inter-chunk factors on the fragments; dA in 16 bits; Σ_s k_s ⊙ dk_s^inter per column ----
-  // This lane's q, k and b at its fragment positions, kept for the diagonal and dg.
-  uint32_t q_frag[4][2], k_frag[4][2];
+  // This lane's q and k at its fragment positions, read from shared memory where they are used (kept
+  // in registers from here to dg, they were spilled), and b, kept.
+  auto q_pair = [&](int n, int hr) { return *reinterpret_cast<const uint32_t*>(sh.q + (row0 + fr + 8 * hr) * kLd16 + col_of(n)); };
+  auto k_pair = [&](int n, int hr) { return *reinterpret_cast<const uint32_t*>(sh.k + (row0 + fr + 8 * hr) * kLd16 + col_of(n)); };
   float2 b_frag[4][2];
   {
     float inter[4][2];
@@ -481,18 +483,27 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int t = row0 + fr + 8 * hr;
-        q_frag[n][hr] = *reinterpret_cast<const uint32_t*>(sh.q + t * kLd16 + c);
-        k_frag[n][hr] = *reinterpret_cast<const uint32_t*>(sh.k + t * kLd16 + c);
         const float2 bt = pair_at(sh.b, kLdGate, t, c);
         b_frag[n][hr] = bt;
         dq[n][2 * hr] *= p.scale * fast_exp2(bt.x);
         dq[n][2 * hr + 1] *= p.scale * fast_exp2(bt.y);
         dk[n][2 * hr] *= state_grad_scale * fast_exp2(last.x - bt.x + next.x);
         dk[n][2 * hr + 1] *= state_grad_scale * fast_exp2(last.y - bt.y + next.y);
-        const float2 kt = X::to_float2(k_frag[n][hr]);
+        const float2 kt = X::to_float2(k_pair(n, hr));
         inter[n][0] += kt.x * dk[n][2 * hr];
         inter[n][1] += kt.y * dk[n][2 * hr + 1];
-        if (!chunk_pivot && 2 * (warp >> 2) + n / 2 <= blk) {
+      }
+    }
+    // The blocks' and levels' dA (the whole-chunk pivot stores its own below), in a loop of its own:
+    // inside the one above it raised the common path's register pressure (spills).
+    if (!chunk_pivot) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const int c = col_of(n);
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int t = row0 + fr + 8 * hr;
+          if (2 * (warp >> 2) + n / 2 > blk) continue;
           const float d0 = p.scale * da[n][2 * hr], d1 = p.scale * da[n][2 * hr + 1];
           *reinterpret_cast<uint32_t*>(sh.u.after.dA + t * kLd16 + c) = X::pack(d0, d1);
           if (2 * (warp >> 2) + n / 2 == blk) {  // the diagonal block, once per level
@@ -613,6 +624,15 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     }
     __syncthreads();  // every warp group's reads of the tiles are done: `copy` overlaps them
   } else {
+    uint32_t q_frag[4][2], k_frag[4][2];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        q_frag[n][hr] = q_pair(n, hr);
+        k_frag[n][hr] = k_pair(n, hr);
+      }
+    }
     // ---- off-diagonal blocks: the warp's pivoted keys (rows s < 16 blk, pivot e_{blk-1}) and queries
     // (rows t >= 16 (blk + 1), pivot e_blk; stack row t - 16) over its 32 columns ----
     {
@@ -900,7 +920,7 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   for (int n = 0; n < 4; ++n) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const float2 qt = X::to_float2(q_frag[n][hr]), kt = X::to_float2(k_frag[n][hr]);
+      const float2 qt = X::to_float2(q_pair(n, hr)), kt = X::to_float2(k_pair(n, hr));
       const int t = row0 + fr + 8 * hr;
       *reinterpret_cast<float2*>(sh.u.x + t * kLdX + col_of(n)) =
           make_float2(qt.x * dq[n][2 * hr] - kt.x * dk[n][2 * hr], qt.y * dq[n][2 * hr + 1] - kt.y * dk[n][2 * hr + 1]);
@@ -947,14 +967,21 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
       }
     }
   } else {
-    // Thread (column c, rows c / 64 + 4 i): one row pointer step per row, the type chosen once.
+    // Thread (column c, rows tid / 64 + 4 i), the type chosen once. Its 16 shared reads go first, all
+    // in flight together (a loop waited for each in turn), then one row pointer step per store.
     const int c = tid & 63;
     if (c >= kv) return;
+    float x[kGroupRows];
+#pragma unroll
+    for (int i = 0; i < kGroupRows; ++i) x[i] = sh.u.x[((tid >> 6) + kRowGroups * i) * kLdX + c];
     const int64_t step = kRowGroups * p.dg_stride[1];
     const int64_t at = ch.batch * p.dg_stride[0] + (ch.t0 + (tid >> 6)) * p.dg_stride[1] + h * p.dg_stride[2] + k0 + c;
     auto store_rows = [&](auto* out, auto convert) {
       out += at;
-      for (int t = tid >> 6; t < rows; t += kRowGroups, out += step) *out = convert(sh.u.x[t * kLdX + c]);
+#pragma unroll
+      for (int i = 0; i < kGroupRows; ++i, out += step) {
+        if ((tid >> 6) + kRowGroups * i < rows) *out = convert(x[i]);
+      }
     };
     if (p.dg_dtype == kF32) {
       store_rows(static_cast<float*>(p.dg), [](float x) { return x; });
