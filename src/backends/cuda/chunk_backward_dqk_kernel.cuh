@@ -467,10 +467,13 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
   }
 
   // ---- inter-chunk factors on the fragments; dA in 16 bits; Σ_s k_s ⊙ dk_s^inter per column ----
-  // This lane's q and k at its fragment positions, read from shared memory where they are used (kept
-  // in registers from here to dg, they were spilled), and b, kept.
-  auto q_pair = [&](int n, int hr) { return *reinterpret_cast<const uint32_t*>(sh.q + (row0 + fr + 8 * hr) * kLd16 + col_of(n)); };
-  auto k_pair = [&](int n, int hr) { return *reinterpret_cast<const uint32_t*>(sh.k + (row0 + fr + 8 * hr) * kLd16 + col_of(n)); };
+  // This lane's q and k at its fragment positions, read from shared memory where they are used
+  // (held in registers from here to dg, ptxas spilled them), and its b, kept.
+  auto pair16 = [&](const uint16_t* tile, int n, int hr) {
+    return *reinterpret_cast<const uint32_t*>(tile + (row0 + fr + 8 * hr) * kLd16 + col_of(n));
+  };
+  auto q_pair = [&](int n, int hr) { return pair16(sh.q, n, hr); };
+  auto k_pair = [&](int n, int hr) { return pair16(sh.k, n, hr); };
   float2 b_frag[4][2];
   {
     float inter[4][2];
