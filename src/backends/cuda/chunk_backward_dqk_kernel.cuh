@@ -974,16 +974,16 @@ __global__ void __launch_bounds__(kGradThreads, 2) dqk_kernel(BackwardParams p, 
     // in flight together (a loop waited for each in turn), then one row pointer step per store.
     const int c = tid & 63;
     if (c >= kv) return;
-    float x[kGroupRows];
+    float column[kGroupRows];
 #pragma unroll
-    for (int i = 0; i < kGroupRows; ++i) x[i] = sh.u.x[((tid >> 6) + kRowGroups * i) * kLdX + c];
+    for (int i = 0; i < kGroupRows; ++i) column[i] = sh.u.x[((tid >> 6) + kRowGroups * i) * kLdX + c];
     const int64_t step = kRowGroups * p.dg_stride[1];
     const int64_t at = ch.batch * p.dg_stride[0] + (ch.t0 + (tid >> 6)) * p.dg_stride[1] + h * p.dg_stride[2] + k0 + c;
     auto store_rows = [&](auto* out, auto convert) {
       out += at;
 #pragma unroll
       for (int i = 0; i < kGroupRows; ++i, out += step) {
-        if ((tid >> 6) + kRowGroups * i < rows) *out = convert(x[i]);
+        if ((tid >> 6) + kRowGroups * i < rows) *out = convert(column[i]);
       }
     };
     if (p.dg_dtype == kF32) {
