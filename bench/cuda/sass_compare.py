@@ -4,9 +4,10 @@ compared between two builds. Usage: sass_compare.py OUTDIR OLD_OBJ... -- NEW_OBJ
 Prints, per kernel entry and architecture, whether the two builds' SASS is identical (instruction
 words included; whitespace and label numbers normalised), and writes both listings to OUTDIR.
 Names are demangled with c++filt; canon() maps renamed template parameter lists (here: the
-cleanup that dropped MMA_DIAG and WG):
+cleanup that dropped MMA_DIAG and WG, and STATE_SCALES's default):
   chunk_forward_kernel<DK, DK, E, true>            -> chunk_forward_kernel<DK, E>
-  chunk_forward_ws_kernel<DK, E, RS, L, false, A>  -> chunk_forward_ws_kernel<DK, E, RS, L, A>"""
+  chunk_forward_ws_kernel<DK, E, RS, L, false, A>  -> chunk_forward_ws_kernel<DK, E, RS, L, A>
+  chunk_forward_ws_kernel<DK, E, RS, L, H, P, 0>   -> chunk_forward_ws_kernel<DK, E, RS, L, H, P>"""
 import re, subprocess, sys, os, collections
 
 def sass(objs):
@@ -38,6 +39,7 @@ def demangle(names):
 def canon(d):
     d = re.sub(r'chunk_forward_kernel<(\d+), \1, ([\w:]+), true>', r'chunk_forward_kernel<\1, \2>', d)
     d = re.sub(r'chunk_forward_ws_kernel<(\d+), ([\w:]+), (\d+), (\d+), false, (true|false)>', r'chunk_forward_ws_kernel<\1, \2, \3, \4, \5>', d)
+    d = re.sub(r'chunk_forward_ws_kernel<(\d+), ([\w:]+), (\d+), (\d+), (\d+), (\d+), 0>', r'chunk_forward_ws_kernel<\1, \2, \3, \4, \5, \6>', d)
     return d
 
 def normalise(body):

@@ -21,6 +21,11 @@ cudaError_t run_chunk_d128(const ForwardParams& p, const ForwardPlan& plan, void
     if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, 2>(p, plan, workspace, stream);
     return run_chunk_ws<128, __half, 16, 2>(p, plan, workspace, stream);
   }
+  if (plan.kernel == ForwardKernel::kChunkWs && p.chunk_states == nullptr && plan.max_segments == 1) {
+    // The state group has time to spare here and scales qg, kg itself (STATE_SCALES).
+    if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, 0, 0, 1>(p, plan, workspace, stream);
+    return run_chunk_ws<128, __half, 16, 0, 0, 1>(p, plan, workspace, stream);
+  }
   if (plan.kernel == ForwardKernel::kChunkWs) {
     if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16>(p, plan, workspace, stream);
     return run_chunk_ws<128, __half>(p, plan, workspace, stream);

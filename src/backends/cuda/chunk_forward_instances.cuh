@@ -47,16 +47,17 @@ cudaError_t run_chunk(const ForwardParams& p, const ForwardPlan& plan, void* wor
 // The warp-specialised kernel (both passes of a segment split). RS: rows per element-wise item
 // (16, or 8 with two prep threads per item). KEYHALF: the full pass's part in a key split
 // (ForwardParams::key_half; the segments' local-state pass is the same for every part).
-// PREP: the prepared key split's instances (ForwardParams::prepared).
-template <int DK, typename E, int RS = 16, int KEYHALF = 0, int PREP = 0>
+// PREP: the prepared key split's instances (ForwardParams::prepared). STATE_SCALES: the full pass's
+// state group scales qg and kg (chunk_forward_ws_kernel).
+template <int DK, typename E, int RS = 16, int KEYHALF = 0, int PREP = 0, int STATE_SCALES = 0>
 cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* workspace, cudaStream_t stream) {
   constexpr int kThreads = 2 * DK * (16 / RS) + 2 * DK;
   const int smem_bytes = ws_smem_layout(DK, 16 / RS).total;
-  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF, PREP>;
+  auto kernel = chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF, PREP, STATE_SCALES>;
   // pass 1 of a segment split (the same for both key halves)
   auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1, PREP ? 1 : 0, PREP>;
   {
-    cudaError_t err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF, PREP>>(smem_bytes);
+    cudaError_t err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF, PREP, STATE_SCALES>>(smem_bytes);
     if (err == cudaSuccess) {
       err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 1, PREP ? 1 : 0, PREP>>(smem_bytes);
     }

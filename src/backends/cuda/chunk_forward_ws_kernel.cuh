@@ -92,6 +92,39 @@ __device__ __forceinline__ uint32_t add_pair(uint32_t a, uint32_t b) {
   return X::pack(x.x + y.x, x.y + y.y);
 }
 
+// qg = qloc 2^{Pre}, kg = kloc 2^{Post} in place: rows row0 .. row0 + RS - 1 of sub-chunk `sub` at
+// column pair k0 of a slot's qw and kw tiles (qw only in a full pass; sub-chunk 0's qw and 3's kw
+// are final already, their Pre / Post being zero).
+template <int RS, typename X>
+__device__ __forceinline__ void scale_slot_rows(uint16_t* qw, uint16_t* kw, int pq, int sub, int row0, int k0,
+                                                bool full, float pre0, float pre1, float post0, float post1) {
+  const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
+  const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
+  auto scale_row = [&](uint16_t* tile, int t, float f0, float f1) {
+    uint32_t* xp = reinterpret_cast<uint32_t*>(tile + t * pq + k0);
+    const float2 x = X::to_float2(*xp);
+    *xp = X::pack(x.x * f0, x.y * f1);
+  };
+#pragma unroll
+  for (int r = 0; r < RS; ++r) {
+    const int t = sub * 16 + row0 + r;
+    if (full && sub > 0) scale_row(qw, t, fq0, fq1);
+    if (sub < 3) scale_row(kw, t, fk0, fk1);
+  }
+}
+
+// A slot's sub-chunk totals for the state group (the state group scales qg / kg): the 16-byte pads
+// past column DK of the slot's qw and kw rows, which no product reads, four floats a row. Total
+// (sub, k) is entry (sub % 2) DK + k of qw's pads (sub-chunks 0, 1) or kw's (2, 3); the pair at an
+// even k lies in one row.
+template <int DK>
+__device__ __forceinline__ float2* slot_total_pair(unsigned char* smem, const WsSmem& L, int slot, int sub, int k0) {
+  static_assert(2 * DK / 4 <= kChunk, "the totals fit the pads of a tile's rows");
+  const int j = (sub & 1) * DK + k0;
+  unsigned char* tile = smem + (sub < 2 ? L.qw(slot) : L.kw(slot));
+  return reinterpret_cast<float2*>(tile + (j >> 2) * L.pq * 2 + DK * 2 + (j & 3) * 4);
+}
+
 // o^T (scaled) -> this warp's own columns of the v stage, as o rows (t) of 16 values.
 template <typename X>
 __device__ __forceinline__ void stage_o_tile(const float (&acc)[8][4], uint16_t* vs, int pv, int vrow, int lane, float sc) {
@@ -307,7 +340,13 @@ __device__ __forceinline__ void copy_prepared(const ForwardParams& p, const Segm
 // place of the A phase, and o added into what o holds as it is stored.
 // PREP (ForwardParams::prepared, key split only): the prep group copies the prepared qg, kg, A and
 // decay (copy_prepared) instead of forming them.
-template <int DK, typename E, int RS = 16, int LOCAL = 0, int KEYHALF = 0, int PREP = 0>
+// STATE_SCALES (DK = 128, the whole K, full pass; the planner's choice, run_chunk_d128): the state
+// group turns qloc, kloc into qg, kg once the slot is published, not the prep group after its A
+// phase, which takes a barrier and ~300 instructions a thread off the prep group's path. That pays
+// where the state group has time to spare: the forward storing no chunk states over whole
+// sequences (H100, B8 T4096 H16 D128 without states: the kernel 439.8 -> 420.0 us under ncu); with
+// chunk states the state group bounds the kernel instead (503.0 -> 526.9 us).
+template <int DK, typename E, int RS = 16, int LOCAL = 0, int KEYHALF = 0, int PREP = 0, int STATE_SCALES = 0>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
   using X = Elem<E>;
@@ -335,6 +374,10 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
   // The prepared key split's full pass on sm_90a: the state group's products on wgmma from swizzled
   // slots (wg_state_products).
   constexpr bool kSwz = PREP != 0 && kArchWgmma && DK == 128 && RS == 16 && LOCAL == 0;
+  // STATE_SCALES: the slot carries its chunk's sub-chunk totals (slot_total_pair) for the state group.
+  constexpr bool kStateScales = STATE_SCALES != 0;
+  static_assert(!kStateScales || (DK == 128 && RS == 16 && LOCAL == 0 && KEYHALF == 0 && PREP == 0),
+                "STATE_SCALES: the whole-K full pass at DK = 128");
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -606,6 +649,21 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           mbar_wait(mbars + 16 + 8 * slot, static_cast<uint32_t>(((c - 2 - c_begin) >> 1) & 1));
         }
 
+        if constexpr (kStateScales) {
+          // The chunk's totals for the state group's scaling, and the chunk decay 2^{b_last}
+          // (sub-chunk 0's items: Post of sub-chunk 0 plus its own total).
+          *slot_total_pair<DK>(smem, L, slot, sub, k0) = make_float2(a0, a1);
+          if (sub == 0) {
+            float pre0, pre1, post0, post1;
+            sub_chunk_pre_post<DK>(tot, 0, k0, pre0, pre1, post0, post1);
+            const float d0 = post0 + tot[k0], d1 = post1 + tot[k0 + 1];
+            dfac[k0] = fast_exp2(d0);
+            dfac[k0 + 1] = fast_exp2(d1);
+            dsum0 += d0;
+            dsum1 += d1;
+          }
+        }
+
         // ---- element-wise, write phase: qloc, kloc, level copies; reductions ----
         {
           // qloc_t = q_t 2^{c_t} (c from the sub-chunk start), kloc_t = k_t 2^{Tot - c_t}. A second
@@ -739,10 +797,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             if (r & 1) As[t * L.pa + t - 1] = X::from_float(sp);
           }
         }
-        named_sync(kBarPrep, NP);  // A done; qloc/kloc no longer read as such
-
-        // ---- qg = qloc 2^{Pre}, kg = kloc 2^{Post}; the chunk's decay 2^{b_last} ----
-        {
+        if constexpr (!kStateScales) {
+          named_sync(kBarPrep, NP);  // A done; qloc/kloc no longer read as such
+          // ---- qg = qloc 2^{Pre}, kg = kloc 2^{Post}; the chunk's decay 2^{b_last} ----
           float pre0, pre1, post0, post1;
           sub_chunk_pre_post<DK>(tot, sub, k0, pre0, pre1, post0, post1);
           if (sub == 0 && hf == 0) {
@@ -752,20 +809,7 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
             dsum0 += d0;
             dsum1 += d1;
           }
-          const float fq0 = fast_exp2(pre0), fq1 = fast_exp2(pre1);
-          const float fk0 = fast_exp2(post0), fk1 = fast_exp2(post1);
-          // Scales row t of this item's column pair in a slot tile in place (qw or kw).
-          auto scale_row = [&](uint16_t* tile, int t, float f0, float f1) {
-            uint32_t* xp = reinterpret_cast<uint32_t*>(tile + t * L.pq + k0);
-            const float2 x = X::to_float2(*xp);
-            *xp = X::pack(x.x * f0, x.y * f1);
-          };
-  #pragma unroll
-          for (int r = 0; r < RS; ++r) {
-            const int t = sub * 16 + row0 + r;
-            if (full && sub > 0) scale_row(qw, t, fq0, fq1);
-            if (sub < 3) scale_row(kw, t, fk0, fk1);
-          }
+          scale_slot_rows<RS, X>(qw, kw, L.pq, sub, row0, k0, full, pre0, pre1, post0, post1);
         }
         // Publish the slot: each thread's arrival releases its own writes to the state group's wait
         // (PTX ISA, mbarrier).
@@ -865,13 +909,34 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
       const int rows = static_cast<int>(gla_min64(kChunk, seq.len - c * kChunk));
       // v of chunk c; with KEYHALF 2 the prev_o copy of chunk c, committed after it, may still fly
       if constexpr (KEYHALF == 2 && full) cp_async_wait_one(); else cp_async_wait_all();
-      named_sync(kBarState, NS);  // v of chunk c landed; the stage refilled next was last read at c-1
-      if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
-
       uint32_t vf[4][4];
-      load_v_fragments(vf, vs, L.pv, vrow, lane);
-      // qg, kg, A, decay of chunk c are published
-      mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
+      if constexpr (kStateScales) {
+        // qloc, kloc, A, decay and the totals of chunk c are published: qg, kg in place, this
+        // thread's item as the prep group's mapping has it (column pair cp, sub-chunk sub).
+        static_assert(NS == NP, "one state thread per element-wise item");
+        mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
+        const int cp = stid % (DK / 2), sub = stid / (DK / 2), k0 = 2 * cp;
+        float pre0 = 0.f, pre1 = 0.f, post0 = 0.f, post1 = 0.f;  // sub_chunk_pre_post's sums, in its order
+#pragma unroll
+        for (int l = 0; l < 4; ++l) {
+          const float2 t = *slot_total_pair<DK>(smem, L, slot, l, k0);
+          if (l < sub) { pre0 += t.x; pre1 += t.y; }
+          if (l > sub) { post0 += t.x; post1 += t.y; }
+        }
+        scale_slot_rows<16, X>(reinterpret_cast<uint16_t*>(smem + L.qw(slot)), reinterpret_cast<uint16_t*>(smem + L.kw(slot)),
+                               L.pq, sub, 0, k0, full, pre0, pre1, post0, post1);
+        // qg, kg complete and v of chunk c landed before any warp reads them; the stage refilled
+        // next was last read at c-1
+        named_sync(kBarState, NS);
+        if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
+        load_v_fragments(vf, vs, L.pv, vrow, lane);
+      } else {
+        named_sync(kBarState, NS);  // v of chunk c landed; the stage refilled next was last read at c-1
+        if (c + 1 < c_end) issue_v(c + 1, slot ^ 1);
+        load_v_fragments(vf, vs, L.pv, vrow, lane);
+        // qg, kg, A, decay of chunk c are published
+        mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
+      }
       float acc[8][4] = {};
       const bool store_state = full && p.chunk_states != nullptr;
       // The first key half has no intra-chunk term (its A slots stay zero): its 20 A v mmas skipped.
