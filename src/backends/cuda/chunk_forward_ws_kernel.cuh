@@ -9,7 +9,8 @@
 //               two threads per item with RS = 8): cp.async of q, k, g into one raw stage; cumsum,
 //               e, qloc/kloc, the level copies; A (off-diagonal blocks and levels on tensor cores,
 //               diagonal and the h = 1 pairs from shuffle reductions); qg/kg and the chunk decay. It
-//               publishes them in one of two slots {qg, kg, A, decay} and moves on to the next chunk.
+//               publishes them in one of two slots {qg, kg, A, decay} and moves on to the next chunk
+//               (with STATE_SCALES qloc/kloc and the sub-chunk totals: the state group scales them).
 //   state group (BV/16 warps; warp w owns value rows 16w..16w+15 of S^T in fp32 registers):
 //               cp.async of v (two stages); o^T = S^T qg^T + V^T A^T, S^T update, o through its own
 //               columns of the v stage (private to the warp) to global memory.
