@@ -57,7 +57,8 @@ cudaError_t run_chunk_ws(const ForwardParams& p, const ForwardPlan& plan, void* 
   // pass 1 of a segment split (the same for both key halves)
   auto local_kernel = chunk_forward_ws_kernel<DK, E, RS, 1, PREP ? 1 : 0, PREP>;
   {
-    cudaError_t err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF, PREP, STATE_SCALES>>(smem_bytes);
+    cudaError_t err =
+        allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 0, KEYHALF, PREP, STATE_SCALES>>(smem_bytes);
     if (err == cudaSuccess) {
       err = allow_dynamic_shared_memory<chunk_forward_ws_kernel<DK, E, RS, 1, PREP ? 1 : 0, PREP>>(smem_bytes);
     }

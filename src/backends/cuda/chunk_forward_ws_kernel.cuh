@@ -343,10 +343,10 @@ __device__ __forceinline__ void copy_prepared(const ForwardParams& p, const Segm
 // decay (copy_prepared) instead of forming them.
 // STATE_SCALES (DK = 128, the whole K, full pass; the planner's choice, run_chunk_d128): the state
 // group turns qloc, kloc into qg, kg once the slot is published, not the prep group after its A
-// phase, which takes a barrier and ~300 instructions a thread off the prep group's path. That pays
-// where the state group has time to spare: the forward storing no chunk states over whole
-// sequences (H100, B8 T4096 H16 D128 without states: the kernel 439.8 -> 420.0 us under ncu); with
-// chunk states the state group bounds the kernel instead (503.0 -> 526.9 us).
+// phase, which takes a barrier and that phase (~270 SASS instructions) off the prep group's path.
+// That pays where the state group has time to spare: the forward storing no chunk states over
+// whole sequences (H100, B8 T4096 H16 D128 without states: the kernel 439.8 -> 420.0 us under
+// ncu); with chunk states the state group bounds the kernel instead (503.0 -> 526.9 us).
 template <int DK, typename E, int RS = 16, int LOCAL = 0, int KEYHALF = 0, int PREP = 0, int STATE_SCALES = 0>
 __global__ void __launch_bounds__(2 * DK * (16 / RS) + 2 * DK, 1)
 chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_constant__ SegmentArgs sa) {
@@ -924,8 +924,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
           if (l < sub) { pre0 += t.x; pre1 += t.y; }
           if (l > sub) { post0 += t.x; post1 += t.y; }
         }
-        scale_slot_rows<16, X>(reinterpret_cast<uint16_t*>(smem + L.qw(slot)), reinterpret_cast<uint16_t*>(smem + L.kw(slot)),
-                               L.pq, sub, 0, k0, full, pre0, pre1, post0, post1);
+        uint16_t* qloc = reinterpret_cast<uint16_t*>(smem + L.qw(slot));
+        uint16_t* kloc = reinterpret_cast<uint16_t*>(smem + L.kw(slot));
+        scale_slot_rows<16, X>(qloc, kloc, L.pq, sub, 0, k0, full, pre0, pre1, post0, post1);
         // qg, kg complete and v of chunk c landed before any warp reads them; the stage refilled
         // next was last read at c-1
         named_sync(kBarState, NS);
