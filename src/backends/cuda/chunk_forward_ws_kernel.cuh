@@ -651,8 +651,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         }
 
         if constexpr (kStateScales) {
-          // The chunk's totals for the state group's scaling, and the chunk decay 2^{b_last}
-          // (sub-chunk 0's items: Post of sub-chunk 0 plus its own total).
+          // The chunk's totals for the state group's scaling (a0, a1: this item's whole sub-chunk
+          // at RS = 16, the values tot holds), and the chunk decay 2^{b_last} (sub-chunk 0's items:
+          // Post of sub-chunk 0 plus its own total).
           *slot_total_pair<DK>(smem, L, slot, sub, k0) = make_float2(a0, a1);
           if (sub == 0) {
             float pre0, pre1, post0, post1;
