@@ -918,13 +918,9 @@ chunk_forward_ws_kernel(const __grid_constant__ ForwardParams p, const __grid_co
         static_assert(NS == NP, "one state thread per element-wise item");
         mbar_wait(mbars + 8 * slot, static_cast<uint32_t>(((c - c_begin) >> 1) & 1));
         const int cp = stid % (DK / 2), sub = stid / (DK / 2), k0 = 2 * cp;
-        float pre0 = 0.f, pre1 = 0.f, post0 = 0.f, post1 = 0.f;  // sub_chunk_pre_post's sums, in its order
-#pragma unroll
-        for (int l = 0; l < 4; ++l) {
-          const float2 t = *slot_total_pair<DK>(smem, L, slot, l, k0);
-          if (l < sub) { pre0 += t.x; pre1 += t.y; }
-          if (l > sub) { post0 += t.x; post1 += t.y; }
-        }
+        float pre0, pre1, post0, post1;
+        sub_chunk_pre_post_of([&](int l) { return *slot_total_pair<DK>(smem, L, slot, l, k0); }, sub, pre0, pre1,
+                              post0, post1);
         uint16_t* qloc = reinterpret_cast<uint16_t*>(smem + L.qw(slot));
         uint16_t* kloc = reinterpret_cast<uint16_t*>(smem + L.kw(slot));
         scale_slot_rows<16, X>(qloc, kloc, L.pq, sub, 0, k0, full, pre0, pre1, post0, post1);

@@ -101,16 +101,24 @@ __device__ __forceinline__ void sub_chunk_gates(const unsigned char* gs, int sub
 
 // The sums of the other sub-chunks' totals around sub-chunk `sub` at key columns k0, k0 + 1:
 // pre over the earlier ones (the query factor 2^{Pre}), post over the later ones (the key's 2^{Post}).
-template <int DK>
-__device__ __forceinline__ void sub_chunk_pre_post(const float* tot, int sub, int k0, float& pre0, float& pre1,
-                                                   float& post0, float& post1) {
+// total_pair(l) gives sub-chunk l's totals at k0, k0 + 1 wherever they are kept.
+template <typename TotalPair>
+__device__ __forceinline__ void sub_chunk_pre_post_of(TotalPair&& total_pair, int sub, float& pre0, float& pre1,
+                                                      float& post0, float& post1) {
   pre0 = pre1 = post0 = post1 = 0.f;
 #pragma unroll
   for (int l = 0; l < 4; ++l) {
-    const float t0 = tot[l * DK + k0], t1 = tot[l * DK + k0 + 1];
-    if (l < sub) { pre0 += t0; pre1 += t1; }
-    if (l > sub) { post0 += t0; post1 += t1; }
+    const float2 t = total_pair(l);
+    if (l < sub) { pre0 += t.x; pre1 += t.y; }
+    if (l > sub) { post0 += t.x; post1 += t.y; }
   }
+}
+// The same from the totals array tot[sub-chunk * DK + column].
+template <int DK>
+__device__ __forceinline__ void sub_chunk_pre_post(const float* tot, int sub, int k0, float& pre0, float& pre1,
+                                                   float& post0, float& post1) {
+  sub_chunk_pre_post_of([&](int l) { return make_float2(tot[l * DK + k0], tot[l * DK + k0 + 1]); }, sub, pre0, pre1,
+                        post0, post1);
 }
 
 template <int DK, int BV>
