@@ -334,11 +334,15 @@ TEST(CudaForward, DeclinesStridedLastDim) {
 TEST(CudaForward, ExplainNamesTheKernel) {
   SKIP_WITHOUT_CUDA();
   const char* text = nullptr;
-  for (const auto& [dtype, K, want] :
-       {std::tuple{GLA_DTYPE_BF16, int64_t(128), "warp-specialised chunk kernel (prep"},
-        std::tuple{GLA_DTYPE_BF16, int64_t(64), "warp-specialised chunk kernel with element-wise items split two ways"},
-        std::tuple{GLA_DTYPE_BF16, int64_t(256), "warp-specialised chunk kernel (prep"},
-        std::tuple{GLA_DTYPE_F32, int64_t(64), "recurrent kernel"}}) {
+  // state_scales: the plan note says when the state group scales qg and kg (bf16 K = 128 whole,
+  // no chunk states, one segment; docs/cuda_backend.md), and only then.
+  for (const auto& [dtype, K, want, state_scales] :
+       {std::tuple{GLA_DTYPE_BF16, int64_t(128), "warp-specialised chunk kernel (prep", true},
+        std::tuple{GLA_DTYPE_F16, int64_t(128), "warp-specialised chunk kernel (prep", false},
+        std::tuple{GLA_DTYPE_BF16, int64_t(64), "warp-specialised chunk kernel with element-wise items split two ways",
+                   false},
+        std::tuple{GLA_DTYPE_BF16, int64_t(256), "warp-specialised chunk kernel (prep", false},
+        std::tuple{GLA_DTYPE_F32, int64_t(64), "recurrent kernel", false}}) {
     Case c = base_case(dtype, 1, 64, 1, K);
     const Inputs in = make_inputs(c);
     DeviceTensor q(in.q), k(in.k), v(in.v), g(in.g), o(HostTensor(c.dtype, {1, 64, 1, K}), false);
@@ -355,6 +359,7 @@ TEST(CudaForward, ExplainNamesTheKernel) {
     EXPECT_NE(s.find("decision: cuda (whole operation)"), std::string::npos) << s;
     EXPECT_NE(s.find(std::string("plan in 'cuda': ") + want), std::string::npos) << s;
     EXPECT_EQ(s.find("K split into halves") != std::string::npos, K > 128) << s;
+    EXPECT_EQ(s.find("the state group scales qg and kg") != std::string::npos, state_scales) << s;
   }
 }
 

@@ -170,6 +170,14 @@ struct ForwardPlan {
   int32_t block_order[detail::kMaxBlockOrder] = {};
 };
 
+// Whether the K = 128 warp-specialised full pass runs its STATE_SCALES instance, in which the state
+// group scales qg and kg (docs/cuda_backend.md, "Who scales qg and kg"): bf16, the whole K in one
+// pass, no chunk states stored, one segment per sequence. run_chunk_d128 and the plan note ask this.
+inline bool ws_state_group_scales(const ForwardParams& p, const ForwardPlan& plan) {
+  return plan.kernel == ForwardKernel::kChunkWs && plan.head_dim_k == 128 && plan.key_split == 0 &&
+         p.dtype == kBF16 && p.chunk_states == nullptr && plan.max_segments == 1;
+}
+
 // Why a device cannot run a plan whose kernels need `need` bytes of dynamic shared memory per block
 // when it allows `available` (cudaDevAttrMaxSharedMemoryPerBlockOptin); nullopt when it can.
 std::optional<std::string> shared_memory_shortfall(size_t need, int available, bool backward);

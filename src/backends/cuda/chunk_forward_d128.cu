@@ -21,8 +21,7 @@ cudaError_t run_chunk_d128(const ForwardParams& p, const ForwardPlan& plan, void
     if (p.dtype == kBF16) return run_chunk_ws<128, __nv_bfloat16, 16, 2>(p, plan, workspace, stream);
     return run_chunk_ws<128, __half, 16, 2>(p, plan, workspace, stream);
   }
-  if (plan.kernel == ForwardKernel::kChunkWs && p.dtype == kBF16 && p.chunk_states == nullptr &&
-      plan.max_segments == 1) {
+  if (ws_state_group_scales(p, plan)) {
     // The state group has time to spare here and scales qg, kg itself (STATE_SCALES; bf16 only: the
     // fp16 instance measured slower, H100 B8 T4096 H16 D128 forward b2b 0.347 -> 0.354 ms).
     return run_chunk_ws<128, __nv_bfloat16, 16, 0, 0, 1>(p, plan, workspace, stream);

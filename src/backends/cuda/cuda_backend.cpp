@@ -459,6 +459,7 @@ class CudaBackend final : public Backend {
     } else {
       s += ", one CTA walks each whole sequence";
     }
+    if (cuda::ws_state_group_scales(f, plan)) s += "; the state group scales qg and kg (bf16, no chunk states)";
     return s;
   }
 
