@@ -1,0 +1,32 @@
+#!/bin/bash
+# A timing candidate for the bf16 D128 forward's STATE_SCALES instance (not adopted until measured):
+# the state group's scaling of qloc/kloc spread evenly, 24 rows per thread (its own sub-chunk's 16
+# rows of kw or qw, and 8 rows of kw's sub-chunk 1 or qw's sub-chunk 2) instead of 16 rows for the
+# threads of sub-chunks 0 and 3 and 32 for those of 1 and 2, whose barrier after the scaling took
+# 7.1% of the state group's stall samples (bench/results/cuda_backward.md). The factors are the
+# shipped ones (the same sums), so o must be bitwise the same. ptxas (sm_90a): 20 B spill stores /
+# 44 B loads against 28 / 32; per chunk one local load in the state loop (six shipped) and five
+# loads and a store in the prep loop (none shipped).
+# Builds build-cuda/variants/even24/ from the working tree plus state_scaling_even.patch (and
+# build-cuda/variants/base/ from the working tree as is), restoring the tree afterwards:
+#   bash bench/cuda/experiments/state_scaling_even.sh
+#   AB="base even24" bash bench/cuda/experiments/forward_variant_ab.sh   # on the device; carry build-cuda/variants
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+kernel=src/backends/cuda/chunk_forward_ws_kernel.cuh
+git diff --quiet -- "$kernel" || { echo "$kernel has uncommitted changes" >&2; exit 1; }
+restore() { git checkout -q -- "$kernel"; }
+trap restore EXIT
+export PATH=/usr/local/cuda/bin:$PATH
+build_as() {
+  ninja -C build-cuda gla gla_torch > /dev/null
+  mkdir -p "build-cuda/variants/$1"
+  cp build-cuda/libgla.so build-cuda/libgla_torch.so "build-cuda/variants/$1/"
+  echo "built build-cuda/variants/$1"
+}
+build_as base
+git apply bench/cuda/experiments/state_scaling_even.patch
+build_as even24
+restore
+ninja -C build-cuda gla gla_torch > /dev/null  # the working tree's library again in build-cuda/
