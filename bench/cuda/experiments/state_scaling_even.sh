@@ -11,20 +11,7 @@
 # build-cuda/variants/base/ from the working tree as is), restoring the tree afterwards:
 #   bash bench/cuda/experiments/state_scaling_even.sh
 #   AB="base even24" bash bench/cuda/experiments/forward_variant_ab.sh   # on the device; carry build-cuda/variants
-set -euo pipefail
-root=$(git rev-parse --show-toplevel)
-cd "$root"
-kernel=src/backends/cuda/chunk_forward_ws_kernel.cuh
-git diff --quiet -- "$kernel" || { echo "$kernel has uncommitted changes" >&2; exit 1; }
-restore() { git checkout -q -- "$kernel"; }
-trap restore EXIT
-export PATH=/usr/local/cuda/bin:$PATH
-build_as() {
-  ninja -C build-cuda gla gla_torch > /dev/null
-  mkdir -p "build-cuda/variants/$1"
-  cp build-cuda/libgla.so build-cuda/libgla_torch.so "build-cuda/variants/$1/"
-  echo "built build-cuda/variants/$1"
-}
+source "$(dirname "$0")/variant_lib.sh"
 build_as base
 git apply bench/cuda/experiments/state_scaling_even.patch
 build_as even24

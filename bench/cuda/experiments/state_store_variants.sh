@@ -12,20 +12,7 @@
 # taking them off the warps helps; if staging ~ shipped, the staging is. Time them with
 # `AB_VARIANTS="staging none bulk" bash bench/cuda/device_run.sh variants` (carry build-cuda/libgla.so,
 # build-cuda/libgla_torch.so and build-cuda/variants).
-set -euo pipefail
-root=$(git rev-parse --show-toplevel)
-cd "$root"
-kernel=src/backends/cuda/chunk_forward_ws_kernel.cuh
-git diff --quiet -- "$kernel" || { echo "$kernel has uncommitted changes" >&2; exit 1; }
-restore() { git checkout -q -- "$kernel"; }
-trap restore EXIT
-build_as() {
-  ninja -C build-cuda gla gla_torch > /dev/null
-  mkdir -p "build-cuda/variants/$1"
-  cp build-cuda/libgla.so build-cuda/libgla_torch.so "build-cuda/variants/$1/"
-  echo "built build-cuda/variants/$1"
-  restore
-}
+source "$(dirname "$0")/variant_lib.sh"
 python3 - "$kernel" <<'PY'
 import sys
 path = sys.argv[1]
@@ -44,9 +31,12 @@ s = s.replace(tail, "  if (sink == 0x9e3779b9u && p.K == 7) block[0] = static_ca
 open(path, "w").write(s)
 PY
 build_as staging
+restore
 sed -i 's/const bool store_state = full && p.chunk_states != nullptr;/const bool store_state = false \&\& full \&\& p.chunk_states != nullptr;/' "$kernel"
 git diff --quiet -- "$kernel" && { echo "the store_state line was not found" >&2; exit 1; }
 build_as none
+restore
 git show 4169eab -- "$kernel" | git apply
 build_as bulk
+restore
 ninja -C build-cuda gla gla_torch > /dev/null  # the shipped library again in build-cuda/
