@@ -1,8 +1,8 @@
 #!/bin/bash
 # On the device: library variants in build-cuda/variants/<name> (AB, space-separated names, the
-# base first) through gla.chunk_gla: a hash of o for fixed inputs per variant (a change meant to be
-# bitwise neutral must print the same hashes), then three interleaved rounds of forward timings
-# (bench_training.py --no-fla --forward-only; AB_CASES overrides the cases). Logs to $OUT.
+# base first) through gla.chunk_gla: a hash of o for bench_training.py's inputs per variant (a
+# change meant to be bitwise neutral must print the same hashes), then three interleaved rounds of
+# forward timings (bench_training.py --no-fla --forward-only; AB_CASES overrides the cases). Logs to $OUT.
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -11,12 +11,12 @@ for v in $AB; do
   d=build-cuda/variants/$v
   echo "== $v"
   PYTHONPATH=python GLA_LIBRARY=$d/libgla.so LD_LIBRARY_PATH=$d python3 - <<'PY'
-import hashlib, torch, gla
+import hashlib, sys
+sys.path.insert(0, "bench/cuda")
+import gla
+from bench_training import make_inputs
 for (B, T, H, K, V) in [(8, 4096, 16, 128, 128), (4, 4096, 16, 128, 256), (2, 300, 3, 128, 128), (1, 1000, 2, 100, 72)]:
-    g = torch.Generator(device="cuda").manual_seed(1234)
-    q, k = (torch.randn(B, T, H, K, device="cuda", generator=g).bfloat16() for _ in range(2))
-    v = torch.randn(B, T, H, V, device="cuda", generator=g).bfloat16()
-    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=g)).bfloat16()
+    (q, k, v, gate), _, _, _ = make_inputs(B, T, H, K, V, None, False)
     o, _ = gla.chunk_gla(q, k, v, gate)
     print(f"B{B} T{T} H{H} K{K} V{V}: o {hashlib.sha256(o.float().cpu().numpy().tobytes()).hexdigest()[:16]}, "
           f"{int(o.isnan().sum())} NaN")
